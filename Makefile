@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each builds its own virtual
+# environment (.venv) first. Without an NVIDIA GPU the CPU build of torch is installed.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= torch==2.13.0
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# on a machine without a GPU and without a local CPU wheel.
+TORCH_PIP_ARGS ?=
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: demo test test-fast test-kernels bench venv clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q $(TORCH) $(TORCH_PIP_ARGS)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base scripts/install_kernels_cpu.sh
+	$(PIP) install -q -e ".[test]"
+	bash scripts/install_kernels_cpu.sh $(VENV)
+	touch $@
+
+venv: $(VENV)/.base
+
+demo: $(VENV)/.base
+	$(VENV)/bin/hybrid-pack demo --out runs/demo
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/kernels
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests/kernels
+
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow and not distributed" tests --ignore=tests/kernels
+
+bench: $(VENV)/.test
+	$(PIP) install -q -e ".[bench]"
+	$(VENV)/bin/hybrid-pack bench
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

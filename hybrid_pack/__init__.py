@@ -1,0 +1,35 @@
+"""hybrid_pack: packed (padding-free) training for hybrid LMs that never mixes documents.
+
+Data flow: ``packing`` (plans) -> ``collate`` (PackingCollator) -> ``boundaries``
+(PackedBoundaries) -> ``ops`` (boundary-safe kernels, chosen by ``backends``) -> ``modeling`` /
+``integrations`` -> ``training`` and the ``testing`` harness.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hybrid_pack.boundaries import PackedBoundaries
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PackPlan": "hybrid_pack.packing",
+    "plan_packs": "hybrid_pack.packing",
+    "PackedBatchSampler": "hybrid_pack.packing",
+    "pack_rollouts": "hybrid_pack.packing",
+    "PackingCollator": "hybrid_pack.collate",
+    "packed_loss": "hybrid_pack.loss",
+    "use_backends": "hybrid_pack.backends",
+}
+
+__all__ = ["PackedBoundaries", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hybrid_pack' has no attribute {name!r}")

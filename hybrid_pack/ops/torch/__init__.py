@@ -1,0 +1,1 @@
+"""Pure-torch backends: exact on packed input, forward and backward, on any device torch runs on."""

@@ -1,0 +1,107 @@
+"""Documents cut into fixed-size chunks, laid out for a document-parallel chunked scan.
+
+Chunked recurrences (Gated DeltaNet, SSD) compute each chunk's intra-chunk part in parallel and
+pass a state from chunk to chunk. In a packed row no chunk may straddle two documents, so every
+segment is cut on its own into ``ceil(L / C)`` chunks (the last one partial, its tail masked).
+
+Rows are ordered *step-major*: chunk 0 of every segment, then chunk 1 of the segments that have
+one, and so on. Segments are ranked by chunk count, longest first, so the segments still running
+at step ``k`` are always a prefix of that ranking: the scan over steps updates ``state[:active]``
+and the loop runs ``ceil(max_seqlen / C)`` times however many documents the row holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkLayout:
+    """Index tensors mapping a packed row to chunk rows and back.
+
+    Attributes:
+        token_index: int64 ``[M, C]``, packed position of each slot (0 for masked slots).
+        valid: bool ``[M, C]``, slot holds a token.
+        slot_of_token: int64 ``[T]``, flat slot (``row * C + col``) of each packed token.
+        step_offsets: rows of step ``k`` are ``step_offsets[k]:step_offsets[k + 1]``; the ``j``-th of
+            them is chunk ``k`` of segment ``order[j]``.
+        order: int64 ``[S]``, segment ids ranked by chunk count (longest first).
+        rank_of_segment: int64 ``[S]``, inverse of ``order``.
+        chunk_size: C.
+    """
+
+    token_index: torch.Tensor
+    valid: torch.Tensor
+    slot_of_token: torch.Tensor
+    step_offsets: tuple[int, ...]
+    order: torch.Tensor
+    rank_of_segment: torch.Tensor
+    chunk_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_index.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_offsets) - 1
+
+    def active(self, step: int) -> int:
+        """Segments still running at ``step`` (the first ``active`` of ``order``)."""
+        return self.step_offsets[step + 1] - self.step_offsets[step]
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` -> ``[M, C, ...]``, zeros in masked slots."""
+        out = x[self.token_index]
+        mask = self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1)))
+        return out * mask.to(out.dtype)
+
+    def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
+        """``[M, C, ...]`` -> ``[T, ...]`` (masked slots dropped)."""
+        return y.reshape(-1, *y.shape[2:])[self.slot_of_token]
+
+
+@lru_cache(maxsize=64)
+def _build(segment_lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    lengths = np.asarray(segment_lengths, dtype=np.int64)
+    n_chunks = -(-lengths // chunk_size)
+    order = np.argsort(-n_chunks, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    counts = np.bincount(np.concatenate([np.arange(n) for n in n_chunks]), minlength=int(n_chunks.max()))
+    step_offsets = np.concatenate([[0], np.cumsum(counts)])
+    # Row of (step k, rank j) is step_offsets[k] + j; rank j runs over segments with > k chunks.
+    ranked_chunks = n_chunks[order]
+    steps = np.concatenate([np.arange(n) for n in ranked_chunks])
+    ranks = np.repeat(np.arange(len(order)), ranked_chunks)
+    rows = step_offsets[steps] + ranks
+    chunk_start = np.empty(int(step_offsets[-1]), dtype=np.int64)
+    chunk_len = np.empty_like(chunk_start)
+    seg = order[ranks]
+    chunk_start[rows] = starts[seg] + steps * chunk_size
+    chunk_len[rows] = np.minimum(chunk_size, lengths[seg] - steps * chunk_size)
+    cols = np.arange(chunk_size)
+    valid = cols[None, :] < chunk_len[:, None]
+    token_index = np.where(valid, chunk_start[:, None] + cols[None, :], 0)
+    slot_of_token = np.empty(int(lengths.sum()), dtype=np.int64)
+    slot_of_token[token_index[valid]] = np.flatnonzero(valid)
+    rank_of_segment = np.empty_like(order)
+    rank_of_segment[order] = np.arange(len(order))
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return ChunkLayout(put(token_index), put(valid), put(slot_of_token), tuple(int(s) for s in step_offsets),
+                       put(order), put(rank_of_segment), chunk_size)
+
+
+def chunk_layout(boundaries: PackedBoundaries, chunk_size: int) -> ChunkLayout:
+    """The (cached) chunk layout of ``boundaries`` for chunks of ``chunk_size`` tokens; built on the host."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int; got {chunk_size}")
+    return _build(boundaries.segment_lengths, int(chunk_size), boundaries.device)

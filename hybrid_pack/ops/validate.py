@@ -1,0 +1,33 @@
+"""Shape checks shared by the public ops: packed inputs are ``[1, T, ...]`` matching the boundaries."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+
+
+def check_packed(name: str, x: torch.Tensor, boundaries: PackedBoundaries, ndim: int) -> None:
+    """Raise ValueError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and T = boundaries.total_tokens."""
+    if not isinstance(boundaries, PackedBoundaries):
+        raise ValueError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)); "
+                         f"got {type(boundaries).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims [1, T, ...]; got shape {list(x.shape)}")
+    if x.shape[0] != 1:
+        raise ValueError(f"{name}: expected batch size 1 (packed rows are [1, T, ...]; pack the batch with "
+                         f"PackingCollator); got shape {list(x.shape)}")
+    if x.shape[1] != boundaries.total_tokens:
+        raise ValueError(f"{name}: expected T = {boundaries.total_tokens} tokens (boundaries.total_tokens); "
+                         f"got shape {list(x.shape)}")
+
+
+def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) -> None:
+    """Raise ValueError unless ``x`` (when given) has exactly the ``expected`` shape."""
+    if x is not None and tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {list(expected)}; got {list(x.shape)}")
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on these inputs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

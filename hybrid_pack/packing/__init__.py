@@ -1,0 +1,25 @@
+"""Grouping documents into packed rows: offline plans, a distributed batch sampler, streaming
+packing and RL rollout packing."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "PackPlan": "hybrid_pack.packing.plan",
+    "plan_packs": "hybrid_pack.packing.plan",
+    "PackedBatchSampler": "hybrid_pack.packing.sampler",
+    "pack_stream": "hybrid_pack.packing.streaming",
+    "pack_rollouts": "hybrid_pack.packing.rollouts",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hybrid_pack.packing' has no attribute {name!r}")

@@ -1,0 +1,287 @@
+"""The cross-contamination harness: does any document of a packed row see another one?
+
+For each layout, three checks run on the model as a black box that takes the SPEC §3 batch and
+returns logits:
+
+* packed against alone: each document's logits in the packed row equal its logits run by itself;
+* perturbation: changing one document's tokens moves no other document's logits;
+* gradients: one document's loss has exactly zero gradient on other documents' input embeddings.
+
+When a check fails, hooks name the first module whose output for one document depends on
+another (forward leaks), or whose backward sends gradient across documents (backward leaks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.testing.layouts import Layout, adversarial_layouts, model_geometry
+from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
+
+__all__ = ["check_isolation", "assert_isolated", "IsolationError", "DEFAULT_ATOL"]
+
+DEFAULT_ATOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+class IsolationError(AssertionError):
+    """Raised by :func:`assert_isolated`; carries the report."""
+
+    def __init__(self, report: IsolationReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+def _logits(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ValueError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
+
+
+def _batch_kwargs(boundaries: PackedBoundaries) -> dict[str, Any]:
+    kwargs = boundaries.hf_kwargs()
+    if boundaries.num_pad_tokens:
+        kwargs["num_pad_tokens"] = boundaries.num_pad_tokens
+    return kwargs
+
+
+def _run(model: torch.nn.Module, boundaries: PackedBoundaries, *, ids: torch.Tensor | None = None,
+         embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[T, V]`` of one packed row given as token ids ``[T]`` or embeddings ``[T, E]``."""
+    if embeds is not None:
+        out = model(inputs_embeds=embeds.unsqueeze(0), **_batch_kwargs(boundaries))
+    else:
+        out = model(input_ids=ids.unsqueeze(0), **_batch_kwargs(boundaries))
+    return _logits(out)[0]
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    """Largest magnitude; a non-finite entry counts as an infinite difference."""
+    if x.numel() == 0:
+        return 0.0
+    return x.abs().max().item() if torch.isfinite(x).all() else float("inf")
+
+
+def _first_tensor(value: Any, t_len: int) -> torch.Tensor | None:
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.dim() >= 2 and item.shape[0] == 1 and item.shape[1] == t_len:
+            return item
+    return None
+
+
+@contextlib.contextmanager
+def _record_outputs(model: torch.nn.Module, t_len: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Record every submodule's ``[1, T, ...]`` output, in completion order (children before parents)."""
+    records: list[tuple[str, torch.Tensor]] = []
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(mod: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
+            t = _first_tensor(output, t_len)
+            if t is not None:
+                records.append((name, t.detach().float().clone()))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _first_forward_leak(base: list[tuple[str, torch.Tensor]], moved: list[tuple[str, torch.Tensor]],
+                        others: torch.Tensor, atol: float) -> str | None:
+    for (name, a), (name_b, b) in zip(base, moved):
+        if name != name_b or a.shape != b.shape:
+            return None
+        diff = _max_abs(a[0, others] - b[0, others])
+        if diff > atol * max(1.0, a.abs().max().item()):
+            return name
+    return None
+
+
+def _first_alone_mismatch(packed: list[tuple[str, torch.Tensor]], alone: list[tuple[str, torch.Tensor]],
+                          start: int, stop: int, atol: float) -> str | None:
+    """First module whose output on one document differs between the packed row and the lone run."""
+    for (name, a), (name_b, b) in zip(packed, alone):
+        if name != name_b:
+            return None
+        ref = a[0, start:stop]
+        if ref.shape != b[0].shape:
+            return None
+        if _max_abs(ref - b[0]) > atol * max(1.0, ref.abs().max().item()):
+            return name
+    return None
+
+
+def _first_backward_leak(model: torch.nn.Module, loss_fn: Any, others: torch.Tensor, t_len: int) -> str | None:
+    """Innermost module whose gradient output is clean on other documents but whose gradient input is not."""
+    flagged: list[str] = []
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(mod: torch.nn.Module, grad_in: Any, grad_out: Any, name: str = name) -> None:
+            go, gi = _first_tensor(grad_out, t_len), _first_tensor(grad_in, t_len)
+            if go is not None and gi is not None and go[0, others].abs().max() == 0 and gi[0, others].abs().max() > 0:
+                flagged.append(name)
+
+        handles.append(module.register_full_backward_hook(hook))
+    try:
+        loss_fn().backward()
+    except RuntimeError:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    innermost = [n for n in flagged if not any(o.startswith(n + ".") for o in flagged)]
+    return innermost[-1] if innermost else None
+
+
+def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, generator: torch.Generator,
+                  device: torch.device, dtype: torch.dtype, *, documents: Sequence[Sequence[int]] | None,
+                  grads: bool, per_layer: bool, atol: float, grad_atol: float) -> LayoutResult:
+    boundaries = PackedBoundaries.from_lengths(list(layout.lengths) + ([layout.num_pad_tokens] if layout.num_pad_tokens
+                                               else []), device=device, num_pad_tokens=layout.num_pad_tokens)
+    t_len = boundaries.total_tokens
+    if documents is not None:
+        ids = torch.cat([torch.as_tensor(d, dtype=torch.long) for d in documents]).to(device)
+        if layout.num_pad_tokens:
+            ids = torch.cat([ids, ids.new_zeros(layout.num_pad_tokens)])
+    else:
+        ids = torch.randint(0, vocab_size, (t_len,), generator=generator).to(device)
+    starts = boundaries.starts
+    result = LayoutResult(layout.name, list(layout.lengths), layout.num_pad_tokens,
+                          [DocumentResult(i, n) for i, n in enumerate(layout.lengths)])
+    positions = torch.arange(t_len, device=device)
+
+    with torch.no_grad(), (_record_outputs(model, t_len) if per_layer else contextlib.nullcontext([])) as base_acts:
+        packed = _run(model, boundaries, ids=ids).float()
+    scale = max(1.0, packed.abs().max().item()) if torch.isfinite(packed).all() else 1.0
+    with torch.no_grad():
+        for doc in result.documents:
+            s, e = starts[doc.index], starts[doc.index] + doc.length
+            lone = PackedBoundaries.from_lengths([doc.length], device=device)
+            alone = _run(model, lone, ids=ids[s:e]).float()
+            doc.alone_diff = _max_abs(packed[s:e] - alone) / scale
+            if doc.alone_diff > atol and result.first_leaking_module is None and per_layer:
+                with _record_outputs(model, doc.length) as alone_acts:
+                    _run(model, lone, ids=ids[s:e])
+                result.first_leaking_module = _first_alone_mismatch(base_acts, alone_acts, s, e, atol)
+                result.leak_kind = "packed differs from alone"
+    for doc in result.documents:
+        s, e = starts[doc.index], starts[doc.index] + doc.length
+        others = (positions < s) | (positions >= e)
+        moved_ids = ids.clone()
+        moved_ids[s:e] = (ids[s:e] + torch.randint(1, vocab_size, (e - s,), generator=generator).to(device)) % vocab_size
+        with torch.no_grad(), (_record_outputs(model, t_len) if per_layer else contextlib.nullcontext([])) as acts:
+            moved = _run(model, boundaries, ids=moved_ids).float()
+        doc.perturbation_leak = _max_abs(moved[others] - packed[others]) / scale
+        if doc.perturbation_leak > atol and result.first_leaking_module is None and per_layer:
+            result.first_leaking_module = _first_forward_leak(base_acts, acts, others, atol)
+            result.leak_kind = "forward"
+
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if grads and embed is not None:
+        embeds = embed(ids.unsqueeze(0))[0].detach().to(dtype).requires_grad_(True)
+        weights = torch.randn(packed.shape, generator=generator).to(device)
+        logits = _run(model, boundaries, embeds=embeds).float()
+        for doc in result.documents:
+            s, e = starts[doc.index], starts[doc.index] + doc.length
+            others = (positions < s) | (positions >= e)
+            (grad,) = torch.autograd.grad((logits[s:e] * weights[s:e]).sum(), embeds, retain_graph=True)
+            doc.gradient_leak = _max_abs(grad[others])
+            if doc.gradient_leak > grad_atol and result.first_leaking_module is None and per_layer:
+
+                def loss_of_doc(s: int = s, e: int = e) -> torch.Tensor:
+                    x = embeds.detach().requires_grad_(True)
+                    return (_run(model, boundaries, embeds=x).float()[s:e] * weights[s:e]).sum()
+
+                result.first_leaking_module = _first_backward_leak(model, loss_of_doc, others, t_len)
+                result.leak_kind = "backward"
+    result.ok = all(d.alone_diff <= atol and (d.perturbation_leak or 0.0) <= atol
+                    and (d.gradient_leak or 0.0) <= grad_atol for d in result.documents)
+    return result
+
+
+def check_isolation(model: torch.nn.Module, *, lengths: Sequence[int] | None = None,
+                    documents: Sequence[Sequence[int]] | None = None, vocab_size: int | None = None,
+                    grads: bool = True, per_layer: bool = True, seed: int = 0, atol: float | None = None,
+                    grad_atol: float = 0.0, num_pad_tokens: int = 0, max_tokens: int = 512) -> IsolationReport:
+    """Check that ``model`` keeps the documents of a packed row apart.
+
+    Args:
+        model: takes the SPEC §3 batch (``input_ids`` or ``inputs_embeds`` plus boundary keys) and returns
+            logits (a tensor, or an object with ``.logits``). Run in eval mode; its mode is restored.
+        lengths: one layout of random documents with these lengths. Default: the adversarial layouts
+            for the chunk sizes and conv widths the model uses.
+        documents: token ids of the documents to pack (overrides ``lengths``).
+        vocab_size: range of random token ids (default: ``model.config.vocab_size``).
+        grads: run the gradient check (needs ``get_input_embeddings`` and ``inputs_embeds``).
+        per_layer: localise a leak to the first leaking module.
+        seed: seeds the random tokens and gradient weights.
+        atol: tolerance on logit differences, relative to the largest logit magnitude (default by dtype).
+        grad_atol: tolerance on cross-document gradients (default exactly zero).
+        num_pad_tokens: add a trailing padding segment to the ``lengths`` / ``documents`` layout.
+        max_tokens: longest default layout.
+
+    Returns:
+        An :class:`IsolationReport`; ``report.ok`` is the verdict.
+    """
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None else torch.float32
+    atol = DEFAULT_ATOL.get(dtype, 1e-4) if atol is None else float(atol)
+    if vocab_size is None:
+        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is None and documents is None:
+        raise ValueError("vocab_size: the model has no config.vocab_size; pass vocab_size= (or documents=)")
+    if documents is not None:
+        if not documents or any(len(d) == 0 for d in documents):
+            raise ValueError("documents: expected a non-empty list of non-empty token-id lists")
+        layouts = [Layout("given documents", tuple(len(d) for d in documents), num_pad_tokens)]
+        vocab_size = vocab_size or max(max(d) for d in documents) + 1
+    elif lengths is not None:
+        if not lengths or any(int(n) < 1 for n in lengths):
+            raise ValueError("lengths: expected a non-empty list of document lengths >= 1")
+        layouts = [Layout("given lengths", tuple(int(n) for n in lengths), num_pad_tokens)]
+    else:
+        chunks, widths = model_geometry(model)
+        layouts = adversarial_layouts(chunks, widths, max_tokens=max_tokens)
+    report = IsolationReport(model=type(model).__name__, dtype=str(dtype).removeprefix("torch."), atol=atol,
+                             grad_atol=grad_atol, layouts=[])
+    if grads and not hasattr(model, "get_input_embeddings"):
+        report.skipped.append("gradients: the model has no get_input_embeddings()")
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        for layout in layouts:
+            report.layouts.append(_check_layout(model, layout, int(vocab_size), generator, device, dtype,
+                                                documents=documents, grads=grads, per_layer=per_layer, atol=atol,
+                                                grad_atol=grad_atol))
+    except Exception as err:  # a model that cannot take a packed batch is reported, not hidden
+        report.error = f"{type(err).__name__}: {err}"
+    finally:
+        model.train(was_training)
+    return report
+
+
+def assert_isolated(model: torch.nn.Module, **kwargs: Any) -> IsolationReport:
+    """:func:`check_isolation`, raising :class:`IsolationError` (an AssertionError) with the report on a leak."""
+    report = check_isolation(model, **kwargs)
+    if not report.ok:
+        raise IsolationError(report)
+    return report

@@ -1,0 +1,2 @@
+"""Model presets (JSON HybridConfig files), installed as ``hybrid_pack.presets``; load with
+``hybrid_pack.modeling.from_preset(name)``."""

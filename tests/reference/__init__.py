@@ -1,0 +1,1 @@
+"""Small per-token / quadratic references for the ops, used only by the tests."""

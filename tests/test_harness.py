@@ -1,0 +1,100 @@
+"""The isolation harness flags every deliberately leaky mixer, names its module, and never flags a clean model."""
+
+import json
+
+import pytest
+import torch
+
+from hybrid_pack.testing import IsolationError, adversarial_layouts, assert_isolated, check_isolation
+from tests.leaky_zoo import LEAKY, ToyLM, clean_mixers
+
+DIM = 16
+
+
+def _model(mixers: list) -> ToyLM:
+    torch.manual_seed(0)
+    return ToyLM(mixers, dim=DIM).double()
+
+
+def test_clean_model_is_never_flagged():
+    report = check_isolation(_model(clean_mixers(DIM)), max_tokens=120)
+    assert report.ok, str(report)
+    assert report.first_leaking_module is None
+    assert len(report.layouts) >= 5
+    assert all(d.gradient_leak == 0.0 for d in report.documents)
+
+
+@pytest.mark.parametrize("name", sorted(LEAKY))
+def test_leaky_mixer_is_flagged_and_named(name):
+    build, module = LEAKY[name]
+    report = check_isolation(_model(build(DIM)), max_tokens=120)
+    assert not report.ok, f"{name} was not flagged:\n{report}"
+    assert report.max_leak > report.atol
+    assert report.first_leaking_module == module, str(report)
+
+
+def test_backward_only_leak_is_invisible_forward_and_caught_by_gradients():
+    build, _ = LEAKY["leak only in the backward pass"]
+    report = check_isolation(_model(build(DIM)), lengths=[5, 7, 3])
+    docs = report.documents
+    assert all(d.alone_diff <= report.atol and d.perturbation_leak <= report.atol for d in docs)
+    assert any(d.gradient_leak > 0 for d in docs)
+    assert report.layouts[0].leak_kind == "backward"
+
+
+def test_report_is_readable_and_json():
+    build, _ = LEAKY["conv without boundaries"]
+    report = check_isolation(_model(build(DIM)), lengths=[4, 6], num_pad_tokens=3)
+    text = str(report)
+    assert text.startswith("LEAK") and "first leaking module" in text and "blocks.1.mixer" in text
+    data = json.loads(report.to_json())
+    assert data["ok"] is False and data["layouts"][0]["num_pad_tokens"] == 3
+    assert len(data["layouts"][0]["documents"]) == 2
+
+
+def test_assert_isolated_raises_with_report():
+    build, _ = LEAKY["recurrence without resets"]
+    with pytest.raises(IsolationError) as info:
+        assert_isolated(_model(build(DIM)), lengths=[3, 4])
+    assert not info.value.report.ok
+
+
+def test_pytest_fixture(assert_isolated):
+    report = assert_isolated(_model(clean_mixers(DIM)), lengths=[2, 9, 1])
+    assert report.ok
+
+
+def test_documents_argument_and_determinism():
+    model = _model(clean_mixers(DIM))
+    docs = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    a = check_isolation(model, documents=docs, seed=3).to_dict()
+    b = check_isolation(model, documents=docs, seed=3).to_dict()
+    assert a == b and a["ok"]
+    assert [d["length"] for d in a["layouts"][0]["documents"]] == [3, 1, 5]
+
+
+def test_a_model_that_raises_is_reported_not_hidden():
+    class Broken(torch.nn.Module):
+        config = type("C", (), {"vocab_size": 11})()
+
+        def forward(self, input_ids=None, **batch):
+            raise RuntimeError("seq_idx is not supported")
+
+    report = check_isolation(Broken(), lengths=[2, 3])
+    assert not report.ok and "seq_idx is not supported" in report.error
+
+
+def test_bad_arguments_name_the_field():
+    model = _model(clean_mixers(DIM))
+    with pytest.raises(ValueError, match="lengths"):
+        check_isolation(model, lengths=[3, 0])
+    with pytest.raises(ValueError, match="documents"):
+        check_isolation(model, documents=[[1], []])
+
+
+def test_layouts_cover_chunk_and_conv_edges():
+    layouts = adversarial_layouts(chunk_sizes=[8], conv_widths=[4], max_tokens=1000)
+    all_lengths = {n for lay in layouts for n in lay.lengths}
+    assert {1, 3, 4, 5, 7, 8, 9}.issubset(all_lengths)
+    assert any(lay.num_pad_tokens for lay in layouts)
+    assert any(max(lay.lengths) > 3 * 8 for lay in layouts)
