@@ -52,8 +52,9 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     check_shape("initial_states", initial_states, (boundaries.num_docs, h, p, n))
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int; got {chunk_size}")
-    impl = resolve("ssd", backend=backend, device=x.device, dtype=x.dtype,
-                   requires_grad=needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states),
-                   inputs={"x": x, "B": B, "chunk_size": chunk_size})
+    requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    impl = resolve("ssd", backend=backend, device=x.device, dtype=x.dtype, requires_grad=requires_grad,
+                   inputs={"x": x, "B": B, "chunk_size": chunk_size, "initial_states": initial_states,
+                           "return_final_states": return_final_states, "requires_grad": requires_grad})
     return impl.fn(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                    chunk_size=chunk_size, initial_states=initial_states, return_final_states=return_final_states)

@@ -1,0 +1,214 @@
+"""``hybrid-pack``: demo, train, check, backends, bench.
+
+Exit codes: 0 success, 1 a failed check (a leak, or a model that cannot take a packed batch),
+2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEMO_EXAMPLES = 600
+
+
+def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
+    p.add_argument("--out", default="runs/demo" if demo else "runs/train", help="run directory (metrics.json, plots)")
+    p.add_argument("--model", default="qwen3-next-tiny", help="preset name or a local Hugging Face model directory")
+    p.add_argument("--max-examples", type=int, default=DEMO_EXAMPLES if demo else None,
+                   help="use the first N examples")
+    p.add_argument("--capacity", type=int, default=2048, help="tokens per packed row")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if demo:
+        return
+    p.add_argument("--data", default="gsm8k", help="'gsm8k' (bundled) or a JSONL file of {'messages': [...]} chats")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=1, help="packed rows per optimizer step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: bf16 autocast where the device has it")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--compare-padded", action="store_true",
+                   help="also train the same example groups in padded batches and compare")
+    p.add_argument("--isolation-check", action="store_true", help="run the isolation harness on the model first")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-pack", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train qwen3-next-tiny packed on bundled GSM8K, check isolation, compare padded")
+    _add_train_arguments(demo, demo=True)
+    train = sub.add_parser("train", help="packed supervised fine-tuning")
+    _add_train_arguments(train, demo=False)
+    check = sub.add_parser("check", help="run the cross-contamination harness on a model")
+    check.add_argument("model", help="a preset name, a Hugging Face config directory, or hf:<family> (tiny random)")
+    check.add_argument("--backend", action="append", default=[],
+                       help="force backends: 'torch' (every op) or op=name, repeatable (conv=torch)")
+    check.add_argument("--lengths", default=None, help="comma-separated document lengths (default: adversarial set)")
+    check.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    check.add_argument("--no-grads", action="store_true", help="skip the gradient check")
+    check.add_argument("--no-patch", action="store_true", help="check a Hugging Face model without patch_model")
+    check.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    check.add_argument("--seed", type=int, default=0)
+    backends = sub.add_parser("backends", help="which backend runs each op here, and why not the others")
+    backends.add_argument("--device", default=None)
+    backends.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    bench = sub.add_parser("bench", help="packing, collator and packed-vs-padded training throughput")
+    bench.add_argument("--out", default="runs/bench", help="writes bench.json here")
+    bench.add_argument("--model", default="qwen3-next-tiny")
+    bench.add_argument("--steps", type=int, default=5, help="timed training steps per mode")
+    return parser
+
+
+def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
+    from hybrid_pack.training import TrainConfig
+
+    common = {"model": args.model, "out": args.out, "capacity": args.capacity, "max_examples": args.max_examples,
+              "seed": args.seed, "progress": not args.no_progress}
+    if demo:
+        return TrainConfig(**common, compare_padded=True, isolation_check=True)
+    return TrainConfig(**common, data=args.data, epochs=args.epochs, max_steps=args.max_steps,
+                       grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps,
+                       weight_decay=args.weight_decay, dtype=args.dtype, device=args.device,
+                       compare_padded=args.compare_padded, isolation_check=args.isolation_check,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume)
+
+
+def _print_summary(metrics: dict[str, Any], out: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hybrid-pack: {metrics['model']} on {metrics['data']} ({metrics['device']}, {metrics['dtype']})")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("examples / packs / steps", f"{metrics['examples']} / {metrics['packs']} / {metrics['steps']}")
+    table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
+    if metrics.get("isolation_ok") is not None:
+        table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
+    table.add_row("loss first -> last step", f"{metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}")
+    table.add_row("packed real tokens/s", f"{metrics['tokens_per_second']:,.0f}")
+    if "padded_tokens_per_second" in metrics:
+        table.add_row("padded real tokens/s", f"{metrics['padded_tokens_per_second']:,.0f}")
+        table.add_row("padded tokens per real token", f"{metrics['padded_tokens_ratio']:.2f}")
+        table.add_row("packed speed-up", f"{metrics['speedup']:.2f}x")
+        agree = "yes" if metrics["losses_agree"] else "NO"
+        table.add_row("packed and padded losses agree",
+                      f"{agree} (step 1 rel. diff {metrics['first_step_loss_rel_diff']:.1e})")
+    console = Console()
+    console.print(table)
+    console.print(f"wrote {out}/metrics.json, {out}/loss.png, {out}/pack_fill.png")
+
+
+def _run_train(args: argparse.Namespace, *, demo: bool) -> int:
+    from hybrid_pack.training import IsolationFailed, train
+
+    try:
+        metrics = train(_train_config(args, demo=demo))
+    except IsolationFailed as err:
+        print(err, file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        _print_summary(metrics, args.out)
+    return 0
+
+
+def _forced_backends(values: Sequence[str]) -> dict[str, str]:
+    from hybrid_pack.backends import OPS, backends_of
+
+    forced: dict[str, str] = {}
+    for value in values:
+        if "=" in value:
+            op, name = value.split("=", 1)
+            forced[op] = name
+        else:
+            matched = {op: value for op in OPS if any(b.name == value for b in backends_of(op))}
+            if not matched:
+                raise ValueError(f"--backend: no op has a backend named {value!r}")
+            forced.update(matched)
+    return forced
+
+
+def _model_for_check(name: str, *, patch: bool) -> Any:
+    if name.startswith("hf:"):
+        from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+        model = tiny_model(name[3:])
+    elif (Path(name) / "config.json").is_file():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name)).float().eval()
+    else:
+        from hybrid_pack.modeling import from_preset
+
+        return from_preset(name).eval()
+    if patch:
+        from hybrid_pack.integrations.transformers import patch_model
+
+        model = patch_model(model)
+    return model
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from hybrid_pack.backends import use_backends
+    from hybrid_pack.testing import check_isolation
+
+    forced = _forced_backends(args.backend)
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
+    model = _model_for_check(args.model, patch=not args.no_patch)
+    if args.dtype == "float64":
+        model = model.double()
+    with use_backends(**forced):
+        report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed)
+    report.model = args.model
+    print(report)
+    if args.json:
+        Path(args.json).write_text(report.to_json(indent=1))
+    return 0 if report.ok else 1
+
+
+def _run_backends(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybrid_pack.backends import report
+
+    print(report(device=args.device, dtype=getattr(torch, args.dtype)))
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from hybrid_pack.training.benchmark import run_benchmark
+
+    results = run_benchmark(model=args.model, steps=args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    for key, value in results.items():
+        print(f"{key:<40} {value:,.3f}" if isinstance(value, float) else f"{key:<40} {value}")
+    print(f"wrote {out / 'bench.json'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command in ("demo", "train"):
+            return _run_train(args, demo=args.command == "demo")
+        return {"check": _run_check, "backends": _run_backends, "bench": _run_bench}[args.command](args)
+    except ValueError as err:
+        print(f"hybrid-pack {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Chats -> ``{"input_ids", "labels"}`` features for :class:`~hybrid_pack.PackingCollator`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from tokenizers import Encoding, Tokenizer
+
+from hybrid_pack.collate import IGNORE_INDEX
+from hybrid_pack.data.chat_format import Chat, RenderedChat, format_chat
+from hybrid_pack.data.tokenizer import load_tokenizer
+
+__all__ = ["tokenize_chats"]
+
+
+def tokenize_chats(
+    chats: Sequence[Chat],
+    tokenizer: Tokenizer | None = None,
+    max_length: int | None = None,
+    *,
+    empty_think: bool = True,
+) -> list[dict[str, list[int]]]:
+    """Render every chat with :func:`~hybrid_pack.data.format_chat` and tokenize them in one batch.
+
+    Args:
+        chats: lists of messages, or dicts with ``"messages"`` (and optionally ``"tools"``).
+        tokenizer: a ``tokenizers.Tokenizer`` knowing the ChatML special tokens; defaults to the
+            bundled Qwen3 one (:func:`~hybrid_pack.data.load_tokenizer`).
+        max_length: keep at most this many tokens of each chat (its start); None keeps all.
+        empty_think: passed to :func:`~hybrid_pack.data.format_chat`.
+
+    Returns:
+        One dict per chat: ``input_ids`` (the template's text tokenized without added special
+        tokens, as ``apply_chat_template(..., tokenize=True)`` gives) and ``labels``: the token id
+        where the token overlaps an assistant span, ``-100`` elsewhere.
+    """
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length: expected a positive int or None; got {max_length!r}")
+    tokenizer = load_tokenizer() if tokenizer is None else tokenizer
+    if tokenizer.padding is not None or tokenizer.truncation is not None:
+        raise ValueError("tokenizer: expected padding and truncation off (they would change the ids); call "
+                         "tokenizer.no_padding() and tokenizer.no_truncation(), or use max_length here")
+    rendered = [format_chat(chat, empty_think=empty_think) for chat in chats]
+    encodings = tokenizer.encode_batch([chat.text for chat in rendered], add_special_tokens=False)
+    features = []
+    for chat, encoding in zip(rendered, encodings):
+        input_ids = np.asarray(encoding.ids, dtype=np.int64)[:max_length]
+        labels = np.where(_trained_tokens(chat, encoding)[:max_length], input_ids, IGNORE_INDEX)
+        features.append({"input_ids": input_ids.tolist(), "labels": labels.tolist()})
+    return features
+
+
+def _trained_tokens(chat: RenderedChat, encoding: Encoding) -> np.ndarray:
+    """bool ``[num_tokens]``: whether each token's characters overlap an assistant span of ``chat``."""
+    edges = np.zeros(len(chat.text) + 1, dtype=np.int64)
+    for start, stop in chat.assistant_spans:
+        edges[start] += 1
+        edges[stop] -= 1
+    trained_before = np.zeros(len(chat.text) + 1, dtype=np.int64)
+    np.cumsum(np.cumsum(edges[:-1]) > 0, out=trained_before[1:])
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    return trained_before[offsets[:, 1]] > trained_before[offsets[:, 0]]

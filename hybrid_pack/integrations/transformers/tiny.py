@@ -1,0 +1,181 @@
+"""Tiny random Hugging Face hybrid models, one per supported family, for tests, checks and benchmarks.
+
+Every model is float32 on CPU, a few layers wide enough to mix a linear mixer with softmax
+attention, and uses small chunk sizes (16) so a short packed row already crosses chunk edges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model", "pure_torch_transformers"]
+
+VOCAB = 128
+CHUNK = 16
+
+
+def _qwen3_next() -> Any:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    )
+
+
+def _qwen3_5() -> Any:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    )
+
+
+def _bamba() -> Any:
+    from transformers import BambaConfig
+
+    return BambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=CHUNK,
+    )
+
+
+def _nemotron_h() -> Any:
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, ssm_state_size=8,
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=CHUNK,
+        use_mamba_kernels=False,
+    )
+
+
+def _falcon_h1() -> Any:
+    from transformers import FalconH1Config
+
+    return FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=CHUNK, mamba_rms_norm=True,
+        lm_head_multiplier=0.5, embedding_multiplier=2.0, key_multiplier=0.7, attention_in_multiplier=1.3,
+        attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+        ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7], mlp_multipliers=[1.1, 0.9],
+    )
+
+
+def _granitemoehybrid() -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+        layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=CHUNK, position_embedding_type="rope",
+        embedding_multiplier=1.5, residual_multiplier=0.8, attention_multiplier=0.3, logits_scaling=2.0,
+    )
+
+
+def _zamba2() -> Any:
+    from transformers import Zamba2Config
+
+    return Zamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=CHUNK,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=64, use_mem_rope=True,
+        use_mamba_kernels=False, adapter_rank=8, use_shared_attention_adapter=True,
+    )
+
+
+def _lfm2() -> Any:
+    from transformers import Lfm2Config
+
+    return Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, block_multiple_of=16,
+        layer_types=["conv", "full_attention", "conv"],
+    )
+
+
+def _mamba2() -> Any:
+    from transformers import Mamba2Config
+
+    return Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, expand=2,
+        conv_kernel=4, n_groups=2, chunk_size=CHUNK,
+    )
+
+
+def _jamba() -> Any:
+    from transformers import JambaConfig
+
+    return JambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+        attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        use_mamba_kernels=False,
+    )
+
+
+TINY_CONFIGS: dict[str, Callable[[], Any]] = {
+    "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
+    "bamba": _bamba,
+    "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
+    "granitemoehybrid": _granitemoehybrid,
+    "zamba2": _zamba2,
+    "lfm2": _lfm2,
+    "mamba2": _mamba2,
+    "jamba": _jamba,
+}
+
+
+def tiny_config(family: str) -> Any:
+    """The tiny config of ``family`` (a key of :data:`TINY_CONFIGS`)."""
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"family: expected one of {sorted(TINY_CONFIGS)}; got {family!r}")
+    return TINY_CONFIGS[family]()
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random causal LM of ``family`` (float32, CPU, eval mode), seeded for reproducibility."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return model.eval()
+
+
+# transformers dispatches these to installed kernel packages (flash-linear-attention, causal-conv1d), which
+# need a GPU, and guards them against packed kwargs; their ``__wrapped__`` originals are plain torch.
+KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def pure_torch_transformers(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model``'s family code on transformers' own torch functions for the convolution and the delta
+    rule, bypassing kernel dispatch (the CPU reference for ordinary, unpacked calls)."""
+    module = sys.modules[type(model).__module__]
+    saved = {name: getattr(module, name) for name in KERNEL_FUNCTIONS if hasattr(module, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, getattr(fn, "__wrapped__", fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)

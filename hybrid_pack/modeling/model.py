@@ -1,0 +1,217 @@
+"""The hybrid causal LM: pre-norm decoder layers whose mixer is Gated DeltaNet, Mamba-2 or attention.
+
+Every token-mixing op takes the row's :class:`~hybrid_pack.PackedBoundaries`, built once per
+forward from the batch keys the :class:`~hybrid_pack.PackingCollator` emits, so a packed row of
+documents gives each document the logits (and gradients) it would get alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.loss import packed_loss
+from hybrid_pack.modeling.attention import Attention
+from hybrid_pack.modeling.config import HybridConfig
+from hybrid_pack.modeling.gated_deltanet import GatedDeltaNet
+from hybrid_pack.modeling.mamba2 import Mamba2
+from hybrid_pack.modeling.mlp import build_mlp
+from hybrid_pack.modeling.norm import GatedRMSNorm, RMSNorm
+from hybrid_pack.modeling.rope import RotaryEmbedding
+
+__all__ = ["CausalLMOutput", "HybridDecoderLayer", "HybridModel", "HybridForCausalLM"]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+_MIXERS = {"G": GatedDeltaNet, "M": Mamba2, "A": Attention}
+
+
+@dataclass
+class CausalLMOutput:
+    """``loss``: float32 scalar or None (no labels); ``logits``: ``[B, T, vocab_size]``.
+
+    Indexable like a Hugging Face ``ModelOutput`` (``out["loss"]``, ``out[0]`` is the first field
+    that is not None), so ``transformers.Trainer`` can read it.
+    """
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        return tuple(v for v in (self.loss, self.logits) if v is not None)
+
+    def __getitem__(self, key: str | int) -> torch.Tensor | None:
+        return getattr(self, key) if isinstance(key, str) else self.to_tuple()[key]
+
+
+class HybridDecoderLayer(nn.Module):
+    """``h += mixer(norm(h)); h += mlp(norm(h))`` with the mixer named by one pattern letter."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.kind = config.layer_pattern[layer_idx]
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = _MIXERS[self.kind](config)
+        self.post_mixer_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = build_mlp(config)
+
+    def forward(self, hidden_states: torch.Tensor, boundaries: PackedBoundaries,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``[1, T, hidden]`` -> ``[1, T, hidden]``; ``rotary`` is used by attention layers only."""
+        normed = self.input_norm(hidden_states)
+        mixed = self.mixer(normed, boundaries, rotary) if self.kind == "A" else self.mixer(normed, boundaries)
+        hidden_states = hidden_states + mixed
+        return hidden_states + self.mlp(self.post_mixer_norm(hidden_states))
+
+
+class HybridModel(nn.Module):
+    """Embedding, the decoder layers of ``config.layer_pattern``, and the final RMSNorm."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if "A" in config.layer_pattern else None
+
+    def forward(self, boundaries: PackedBoundaries, input_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 ``input_ids`` ``[1, T]`` or ``inputs_embeds`` ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rotary = None if self.rotary is None else self.rotary(boundaries.position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, boundaries, rotary)
+        return self.norm(hidden_states)
+
+
+def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoundaries:
+    """Boundaries from the collator keys in ``batch``, or one document per row when there are none."""
+    if all(batch.get(key) is None for key in ("cu_seq_lens_q", "seq_idx", "position_ids")):
+        return PackedBoundaries.from_lengths([tokens] * rows)
+    if rows != 1:
+        raise ValueError(f"input_ids: a packed batch is one row [1, T] (PackingCollator flattens the batch); "
+                         f"got {rows} rows together with boundary keys")
+    return PackedBoundaries.from_batch(batch)
+
+
+class HybridForCausalLM(nn.Module):
+    """A hybrid LM with an LM head, taking the batches :class:`~hybrid_pack.PackingCollator` builds.
+
+    ``model(**collator(features))`` works: the boundary keys (``cu_seq_lens_q/k``, ``seq_idx``,
+    ``position_ids``, ``max_length_q/k``, ``num_pad_tokens``) define the documents of the row.
+    Without any of them, each row of ``input_ids`` ``[B, T]`` is one document.
+    """
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, ``initializer_range``) linears and embeddings, unit norms, SSM-specific mixer params."""
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            module.weight.fill_(1.0)
+        elif isinstance(module, (GatedDeltaNet, Mamba2)):
+            module.reset_parameters()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied head counts once); without the embedding and head if asked."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {id(self.model.embed_tokens.weight), id(self.lm_head.weight)}
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
+                cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                max_length_q: int | None = None, max_length_k: int | None = None,
+                num_pad_tokens: int | None = None, inputs_embeds: torch.Tensor | None = None, *,
+                boundaries: PackedBoundaries | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
+        """Logits and, with ``labels``, the next-token loss of a packed batch.
+
+        Args:
+            input_ids: int64 ``[1, T]`` packed row (or ``[B, T]`` of B whole documents without boundary keys).
+            labels: int64, same shape, unshifted, ``-100`` ignored (the collator puts it on each document's
+                first token). The loss is :func:`hybrid_pack.packed_loss` (mean over target tokens).
+            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, num_pad_tokens:
+                the collator's boundary keys; any subset that agrees is fine.
+            inputs_embeds: ``[1, T, hidden]`` instead of ``input_ids`` (e.g. to take gradients w.r.t. them).
+            boundaries: a ready :class:`~hybrid_pack.PackedBoundaries` instead of the keys.
+            num_items_in_batch: divide the summed loss by this (gradient accumulation).
+            attention_mask: not supported; packed rows carry boundaries, not masks.
+            **kwargs: other per-token keys of the batch (``response_mask``, ``advantages``, ...) are
+                for the training loss, not the model, and are not read here.
+
+        Returns:
+            :class:`CausalLMOutput` with ``logits`` ``[B, T, vocab_size]`` and ``loss`` (None without labels).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("input_ids: expected exactly one of input_ids or inputs_embeds")
+        if attention_mask is not None:
+            raise ValueError("attention_mask: not supported; pass a padding-free packed row with its boundary keys "
+                             "(cu_seq_lens_q / seq_idx / position_ids) as PackingCollator builds it")
+        source = input_ids if inputs_embeds is None else inputs_embeds
+        if source.dim() != (2 if inputs_embeds is None else 3):
+            name = "input_ids" if inputs_embeds is None else "inputs_embeds"
+            raise ValueError(f"{name}: expected shape {'[B, T]' if inputs_embeds is None else '[B, T, hidden]'}; "
+                             f"got {list(source.shape)}")
+        rows, tokens = source.shape[:2]
+        if boundaries is None:
+            batch = {"position_ids": position_ids, "seq_idx": seq_idx, "cu_seq_lens_q": cu_seq_lens_q,
+                     "cu_seq_lens_k": cu_seq_lens_k, "max_length_q": max_length_q,
+                     "max_length_k": max_length_k, "num_pad_tokens": num_pad_tokens}
+            boundaries = _boundaries_for(batch, rows, tokens)
+        if boundaries.total_tokens != rows * tokens:
+            raise ValueError(f"boundaries: expected {rows * tokens} tokens (the input's); "
+                             f"got {boundaries.total_tokens}")
+        if boundaries.device != source.device:
+            boundaries = boundaries.to(source.device)
+        if inputs_embeds is None:
+            hidden_states = self.model(boundaries, input_ids=input_ids.reshape(1, -1))
+        else:
+            hidden_states = self.model(boundaries, inputs_embeds=inputs_embeds.reshape(1, rows * tokens, -1))
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = packed_loss(logits, labels.reshape(1, rows * tokens), boundaries=boundaries,
+                               num_items_in_batch=num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits.view(rows, tokens, -1))
+
+    def save_pretrained(self, directory: str | PathLike[str]) -> None:
+        """Write ``config.json`` and ``pytorch_model.bin`` (the state dict) to ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory / CONFIG_NAME)
+        torch.save(self.state_dict(), directory / WEIGHTS_NAME)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | PathLike[str], map_location: str | torch.device = "cpu"
+                        ) -> HybridForCausalLM:
+        """Load a model written by :meth:`save_pretrained`."""
+        directory = Path(directory)
+        model = cls(HybridConfig.load(directory / CONFIG_NAME))
+        model.load_state_dict(torch.load(directory / WEIGHTS_NAME, map_location=map_location, weights_only=True))
+        return model

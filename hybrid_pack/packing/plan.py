@@ -1,0 +1,254 @@
+"""Offline packing plans: which examples (or pieces of examples) go into which packed row.
+
+:func:`plan_packs` turns per-example token counts into a :class:`PackPlan`. The plan stores flat
+numpy arrays (CSR style: items pack after pack, plus pack offsets), so planning millions of
+examples builds no Python object per example; :meth:`PackPlan.packs` materialises lists on demand.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybrid_pack.packing.strategies import ORDER_KEEPING, STRATEGIES, assign_bins, group_by_bin
+
+__all__ = ["PackPlan", "plan_packs", "OVERFLOW_POLICIES", "STRATEGIES"]
+
+OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
+"""What to do with an example longer than ``capacity``, default first."""
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PackPlan:
+    """An assignment of documents to packs of at most ``capacity`` tokens. Build with :func:`plan_packs`.
+
+    A *document* (an *item*) is the token slice ``[start, stop)`` of one example: the whole example,
+    its first ``capacity`` tokens (``overflow="truncate"``) or one piece of it (``overflow="split"``).
+    Items are stored pack after pack; pack ``p`` holds items ``pack_offsets[p]:pack_offsets[p + 1]``,
+    in ascending (example, start) order. All arrays are read-only.
+
+    Attributes:
+        example_index: int64 ``[M]``, the example each item comes from.
+        start: int64 ``[M]``, first token of the item within its example.
+        stop: int64 ``[M]``, one past the last token of the item.
+        pack_offsets: int64 ``[P+1]``, CSR offsets of the packs into the item arrays.
+        pack_tokens: int64 ``[P]``, real tokens in each pack (``<= capacity``).
+        capacity, strategy, overflow, seed: the arguments the plan was made with.
+        num_examples: examples given (``len(lengths)``).
+        tokens_in: tokens of all examples given.
+        tokens_kept: tokens placed in packs (``tokens_in`` minus truncated and dropped tokens).
+        num_truncated, num_split, num_dropped: examples longer than ``capacity`` that were
+            truncated, split or dropped (only the one matching ``overflow`` can be non-zero).
+
+    Cheap per-pack access for samplers: :meth:`pack_items` / :meth:`pack_examples` return views,
+    :attr:`pack_tokens` the token count of every pack, :attr:`pack_num_documents` the item count.
+    """
+
+    example_index: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    pack_offsets: np.ndarray
+    pack_tokens: np.ndarray
+    capacity: int
+    strategy: str
+    overflow: str
+    seed: int | None
+    num_examples: int
+    tokens_in: int
+    tokens_kept: int
+    num_truncated: int
+    num_split: int
+    num_dropped: int
+
+    def __post_init__(self) -> None:
+        for array in (self.example_index, self.start, self.stop, self.pack_offsets, self.pack_tokens):
+            array.flags.writeable = False
+
+    def __len__(self) -> int:
+        """Number of packs ``P``."""
+        return self.pack_offsets.shape[0] - 1
+
+    @property
+    def num_documents(self) -> int:
+        """Number of items ``M`` (examples kept, counting every piece of a split example)."""
+        return self.example_index.shape[0]
+
+    @property
+    def item_lengths(self) -> np.ndarray:
+        """int64 ``[M]``, tokens of each item (``stop - start``), pack after pack."""
+        return self.stop - self.start
+
+    @property
+    def pack_num_documents(self) -> np.ndarray:
+        """int64 ``[P]``, items in each pack."""
+        return np.diff(self.pack_offsets)
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens over token slots, ``tokens_kept / (len(plan) * capacity)``; 0.0 for an empty plan."""
+        return self.tokens_kept / (len(self) * self.capacity) if len(self) else 0.0
+
+    @property
+    def lower_bound(self) -> int:
+        """``ceil(tokens_kept / capacity)``: no plan of these documents has fewer packs."""
+        return -(-self.tokens_kept // self.capacity)
+
+    def _pack_slice(self, pack: int) -> slice:
+        num_packs = len(self)
+        pack = operator.index(pack)
+        if not -num_packs <= pack < num_packs:
+            raise IndexError(f"pack: expected an index in [{-num_packs}, {num_packs}); got {pack}")
+        pack %= num_packs
+        return slice(int(self.pack_offsets[pack]), int(self.pack_offsets[pack + 1]))
+
+    def pack_items(self, pack: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(example_index, start, stop)`` of one pack: three int64 ``[n]`` read-only views, no copy."""
+        items = self._pack_slice(pack)
+        return self.example_index[items], self.start[items], self.stop[items]
+
+    def pack_examples(self, pack: int) -> np.ndarray:
+        """int64 ``[n]`` view: the example index of every item of one pack."""
+        return self.example_index[self._pack_slice(pack)]
+
+    def packs(self) -> list[list[tuple[int, int, int]]]:
+        """Every pack as a list of ``(example_index, start, stop)`` Python tuples (builds M tuples)."""
+        examples, starts, stops = self.example_index.tolist(), self.start.tolist(), self.stop.tolist()
+        bounds = self.pack_offsets.tolist()
+        return [list(zip(examples[a:b], starts[a:b], stops[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def __repr__(self) -> str:
+        return (f"PackPlan(packs={len(self)}, documents={self.num_documents}, examples={self.num_examples}, "
+                f"capacity={self.capacity}, strategy={self.strategy!r}, overflow={self.overflow!r}, "
+                f"efficiency={self.efficiency:.4f}, lower_bound={self.lower_bound})")
+
+
+def _check_int(field: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{field}: expected an int >= {minimum}; got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{field}: expected an int >= {minimum}; got {value}")
+    return int(value)
+
+
+def _check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """int64 ``[N]`` copy of ``lengths``, each >= 1."""
+    try:
+        array = np.asarray(lengths)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"lengths: expected a 1-D sequence of ints; could not read it as an array ({err})") from None
+    if array.ndim != 1:
+        raise ValueError(f"lengths: expected a 1-D sequence of ints (one token count per example); "
+                         f"got shape {list(array.shape)}")
+    if array.size and (array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"lengths: expected integer token counts; got dtype {array.dtype} "
+                         f"(convert with np.asarray(lengths, dtype=np.int64))")
+    array = array.astype(np.int64)
+    bad = np.flatnonzero(array < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"lengths[{i}]: expected a token count >= 1; got {int(array[i])} "
+                         f"({bad.size} example(s) affected; remove empty examples before planning)")
+    return array
+
+
+def _documents(lengths: np.ndarray, capacity: int, overflow: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(example_index, start, stop)`` int64 ``[M]`` of every document to pack, in example order."""
+    too_long = lengths > capacity
+    if overflow == "error" and too_long.any():
+        i = int(np.argmax(too_long))
+        raise ValueError(f"lengths[{i}]: example {i} has {int(lengths[i])} tokens, more than capacity={capacity} "
+                         f"({int(too_long.sum())} example(s) affected); pass overflow='truncate', 'split' or "
+                         f"'drop', or raise capacity")
+    if overflow == "split":
+        pieces = -(-lengths // capacity)
+        example_index = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
+        first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        start = (np.arange(example_index.size, dtype=np.int64) - first_piece) * capacity
+        return example_index, start, np.minimum(start + capacity, lengths[example_index])
+    example_index = np.flatnonzero(~too_long) if overflow == "drop" else np.arange(lengths.size, dtype=np.int64)
+    stop = np.minimum(lengths[example_index], capacity)
+    return example_index.astype(np.int64), np.zeros_like(stop), stop
+
+
+def plan_packs(
+    lengths: Sequence[int] | np.ndarray,
+    capacity: int,
+    *,
+    strategy: str = "bfd",
+    overflow: str = "error",
+    seed: int | None = None,
+) -> PackPlan:
+    """Plan packs of at most ``capacity`` tokens from per-example token counts.
+
+    Args:
+        lengths: int ``[N]`` (sequence or 1-D array), token count of each example, each >= 1.
+        capacity: tokens per pack, >= 1.
+        strategy: ``"bfd"`` (best-fit decreasing), ``"ffd"`` (first-fit decreasing),
+            ``"first_fit"`` (input order kept as far as possible), ``"next_fit"`` (input order,
+            one open pack) or ``"knapsack"`` (fill one pack at a time with the largest remaining
+            example that fits). See ``docs/packing.md``.
+        overflow: for an example longer than ``capacity``: ``"error"`` (raise), ``"truncate"`` (keep
+            its first ``capacity`` tokens), ``"split"`` (cut it into pieces of ``capacity`` tokens,
+            the last one shorter, each piece its own document) or ``"drop"``.
+        seed: ``None`` keeps the order the strategy produces: packs in the order they were opened,
+            equal lengths taken in input order. An int shuffles the order packs are returned in and,
+            for the size-sorting strategies (bfd, ffd, knapsack), which of several equal-length
+            documents is placed first, using ``numpy.random.default_rng(seed)``. ``first_fit`` and
+            ``next_fit`` still consider documents in input order. A seed never changes the number
+            of packs or the multiset of document lengths in each pack.
+
+    Returns:
+        A :class:`PackPlan`; every kept token of every example appears in exactly one pack, and the
+        plan is a pure function of the arguments.
+
+    Raises:
+        ValueError: malformed ``lengths`` / ``capacity`` / ``seed``, unknown ``strategy`` or
+            ``overflow``, or (``overflow="error"``) an example longer than ``capacity``.
+    """
+    capacity = _check_int("capacity", capacity, minimum=1)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}")
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
+    if seed is not None:
+        seed = _check_int("seed", seed, minimum=0)
+    lengths = _check_lengths(lengths)
+
+    example_index, start, stop = _documents(lengths, capacity, overflow)
+    sizes = stop - start
+    rng = np.random.default_rng(seed) if seed is not None else None
+    num_documents = sizes.size
+    if rng is None or strategy in ORDER_KEEPING:
+        order = np.arange(num_documents, dtype=np.int64)
+    else:
+        order = rng.permutation(num_documents).astype(np.int64)
+    bin_of_item, num_packs = assign_bins(sizes, capacity, strategy, order)
+    pack_rank = (np.arange(num_packs, dtype=np.int64) if rng is None
+                 else rng.permutation(num_packs).astype(np.int64))
+    items, pack_offsets = group_by_bin(bin_of_item, pack_rank)
+
+    item_sizes = sizes[items]
+    token_offsets = np.zeros(num_documents + 1, np.int64)
+    np.cumsum(item_sizes, out=token_offsets[1:])
+    num_over = int((lengths > capacity).sum())
+    return PackPlan(
+        example_index=example_index[items],
+        start=start[items],
+        stop=stop[items],
+        pack_offsets=pack_offsets,
+        pack_tokens=np.diff(token_offsets[pack_offsets]),
+        capacity=capacity,
+        strategy=strategy,
+        overflow=overflow,
+        seed=seed,
+        num_examples=int(lengths.size),
+        tokens_in=int(lengths.sum()),
+        tokens_kept=int(token_offsets[-1]),
+        num_truncated=num_over if overflow == "truncate" else 0,
+        num_split=num_over if overflow == "split" else 0,
+        num_dropped=num_over if overflow == "drop" else 0,
+    )

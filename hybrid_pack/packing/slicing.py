@@ -1,0 +1,63 @@
+"""Token slices of examples, for plans that truncate or split long examples.
+
+With ``overflow="truncate"`` or ``"split"`` a pack item is ``(example_index, start, stop)``: the
+tokens ``[start, stop)`` of one example. :func:`slice_example` cuts every per-token field of an
+example dict; :class:`SlicedDataset` wraps a map-style dataset so that a
+``DataLoader(SlicedDataset(ds), batch_sampler=PackedBatchSampler(..., overflow="split"))`` fetches
+the pieces the sampler asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["SlicedDataset", "slice_example"]
+
+
+def _is_per_token(value: Any, length: int) -> bool:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray, torch.Tensor)):
+        return False
+    return len(value) == length
+
+
+def slice_example(example: Mapping[str, Any], start: int, stop: int, *,
+                  length_key: str = "input_ids") -> dict[str, Any]:
+    """A shallow copy of ``example`` with every per-token field cut to ``[start, stop)``.
+
+    A field is per-token when it is a sequence (not a string), numpy array or tensor with as many
+    entries as ``example[length_key]``; other fields (ids, scalars, text, metadata) are kept as they are.
+    """
+    if length_key not in example:
+        raise ValueError(f"{length_key}: expected the example to have this per-token field; "
+                         f"got keys {sorted(example)}")
+    length = len(example[length_key])
+    if not 0 <= start < stop <= length:
+        raise ValueError(f"start, stop: expected 0 <= start < stop <= {length} (the example's {length_key} length); "
+                         f"got {start}, {stop}")
+    return {key: value[start:stop] if _is_per_token(value, length) else value for key, value in example.items()}
+
+
+class SlicedDataset(Dataset):
+    """A map-style dataset indexed by ``index`` or ``(index, start, stop)``.
+
+    An int returns ``dataset[index]`` unchanged; a triple returns :func:`slice_example` of it. Wrap the
+    dataset with this when the sampler or plan truncates or splits examples.
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]], *, length_key: str = "input_ids") -> None:
+        self.dataset = dataset
+        self.length_key = length_key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: int | tuple[int, int, int]) -> Mapping[str, Any]:
+        if isinstance(item, tuple):
+            index, start, stop = item
+            return slice_example(self.dataset[index], start, stop, length_key=self.length_key)
+        return self.dataset[item]

@@ -1,0 +1,338 @@
+"""Bin-packing kernels: put items of integer size into bins of a fixed capacity.
+
+Every kernel takes ``sizes`` (int64 ``[M]``, each in ``1..capacity``), ``order`` (int64 ``[M]``, a
+permutation of ``range(M)``: the order in which items are considered, or in which equal sizes are
+taken) and ``capacity``, and returns ``(bin_of_item, num_bins)``: int64 ``[M]`` bin ids numbered in
+the order the bins were opened, and their count. The kernels are compiled with numba and allocate
+nothing per item, so millions of items take well under a second.
+
+Strategies (``M`` items, capacity ``C``):
+
+* ``bfd`` — best-fit decreasing: largest item first, into the open bin it fills most tightly.
+  O(M log C) with a presence tree over free space ``0..C`` and a queue of bins per free space.
+* ``ffd`` — first-fit decreasing: largest item first, into the lowest-numbered bin it fits.
+  O(M log M) with a max-tree over the free space of every bin.
+* ``first_fit`` — first fit in input order (packs keep the input order as far as possible).
+* ``next_fit`` — input order, one open bin; a new bin whenever the item does not fit. O(M).
+* ``knapsack`` — fill one bin at a time: open it with the largest remaining item, then add the
+  largest remaining item that fits, except that when at most three remaining items fill the bin
+  exactly they go in instead. Without that exact-fill search this would reproduce FFD item for
+  item; with it, bins close full far more often. O(M log C) plus a search of at most O(C) probes
+  per step, run only when three items could fill the bin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["STRATEGIES", "ORDER_KEEPING", "assign_bins", "group_by_bin"]
+
+STRATEGIES = ("bfd", "ffd", "first_fit", "next_fit", "knapsack")
+"""Valid strategy names, default first."""
+
+ORDER_KEEPING = frozenset({"first_fit", "next_fit"})
+"""Strategies that consider items in input order; the others sort by size and only use ``order`` for ties."""
+
+
+@njit(cache=True)
+def _tree_leaves(num_keys: int) -> int:
+    """Smallest power of two >= ``num_keys`` (the leaf count of a complete binary tree)."""
+    leaves = 1
+    while leaves < num_keys:
+        leaves *= 2
+    return leaves
+
+
+@njit(cache=True)
+def _set_presence(tree: np.ndarray, leaves: int, key: int, present: bool) -> None:
+    """Mark ``key`` present or absent in a presence tree (a node is set iff a leaf below it is)."""
+    node = leaves + key
+    tree[node] = present
+    node >>= 1
+    while node >= 1:
+        merged = tree[2 * node] or tree[2 * node + 1]
+        if tree[node] == merged:
+            return
+        tree[node] = merged
+        node >>= 1
+
+
+@njit(cache=True)
+def _first_present_at_or_above(tree: np.ndarray, leaves: int, key: int) -> int:
+    """Smallest present key >= ``key``, or -1."""
+    node = leaves + key
+    if tree[node]:
+        return key
+    while node > 1:
+        if node % 2 == 0 and tree[node + 1]:
+            node += 1
+            while node < leaves:
+                node = 2 * node if tree[2 * node] else 2 * node + 1
+            return node - leaves
+        node >>= 1
+    return -1
+
+
+@njit(cache=True)
+def _last_present_at_or_below(tree: np.ndarray, leaves: int, key: int) -> int:
+    """Largest present key <= ``key``, or -1."""
+    node = leaves + key
+    if tree[node]:
+        return key
+    while node > 1:
+        if node % 2 == 1 and tree[node - 1]:
+            node -= 1
+            while node < leaves:
+                node = 2 * node + 1 if tree[2 * node + 1] else 2 * node
+            return node - leaves
+        node >>= 1
+    return -1
+
+
+@njit(cache=True)
+def _sort_descending(sizes: np.ndarray, order: np.ndarray, capacity: int) -> np.ndarray:
+    """``order`` stably sorted by size, largest first (a counting sort: O(M + C))."""
+    starts = np.zeros(capacity + 2, np.int64)
+    for i in order:
+        starts[capacity - sizes[i] + 1] += 1
+    for key in range(1, capacity + 2):
+        starts[key] += starts[key - 1]
+    out = np.empty_like(order)
+    for i in order:
+        key = capacity - sizes[i]
+        out[starts[key]] = i
+        starts[key] += 1
+    return out
+
+
+@njit(cache=True)
+def _best_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Each item (in ``order``) goes to the open bin with the least free space that still holds it.
+
+    Open bins are bucketed by free space ``r``: ``head[r]`` / ``tail[r]`` / ``next_bin`` form a queue
+    of the bins with exactly ``r`` free (ties go to the bin that reached ``r`` first), and a presence
+    tree over ``r`` finds the smallest ``r >= size`` in O(log C). Full bins leave the structure.
+    """
+    num_items = order.shape[0]
+    bin_of_item = np.empty(num_items, np.int64)
+    leaves = _tree_leaves(capacity + 1)
+    has_bin = np.zeros(2 * leaves, np.bool_)
+    head = np.full(capacity + 1, -1, np.int64)
+    tail = np.full(capacity + 1, -1, np.int64)
+    next_bin = np.empty(num_items, np.int64)
+    num_bins = 0
+    for i in order:
+        size = sizes[i]
+        free = _first_present_at_or_above(has_bin, leaves, size)
+        if free < 0:
+            b = num_bins
+            num_bins += 1
+            free = capacity
+        else:
+            b = head[free]
+            head[free] = next_bin[b]
+            if head[free] < 0:
+                _set_presence(has_bin, leaves, free, False)
+        bin_of_item[i] = b
+        free -= size
+        if free > 0:
+            next_bin[b] = -1
+            if head[free] < 0:
+                head[free] = b
+                _set_presence(has_bin, leaves, free, True)
+            else:
+                next_bin[tail[free]] = b
+            tail[free] = b
+    return bin_of_item, num_bins
+
+
+@njit(cache=True)
+def _first_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Each item (in ``order``) goes to the lowest-numbered bin with room for it.
+
+    A max-tree holds the free space of bins ``0..M-1``; bins not opened yet read as ``capacity``, so
+    the leftmost bin with room is either an open bin or the next one to open.
+    """
+    num_items = order.shape[0]
+    bin_of_item = np.empty(num_items, np.int64)
+    leaves = _tree_leaves(max(num_items, 1))
+    free = np.full(2 * leaves, capacity, np.int64)
+    num_bins = 0
+    for i in order:
+        size = sizes[i]
+        node = 1
+        while node < leaves:
+            node = 2 * node if free[2 * node] >= size else 2 * node + 1
+        b = node - leaves
+        bin_of_item[i] = b
+        num_bins = max(num_bins, b + 1)
+        free[node] -= size
+        node >>= 1
+        while node >= 1:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node >>= 1
+    return bin_of_item, num_bins
+
+
+@njit(cache=True)
+def _next_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Items (in ``order``) fill the current bin; one that does not fit closes it and opens the next."""
+    bin_of_item = np.empty(order.shape[0], np.int64)
+    b = -1
+    free = 0
+    for i in order:
+        if sizes[i] > free:
+            b += 1
+            free = capacity
+        bin_of_item[i] = b
+        free -= sizes[i]
+    return bin_of_item, b + 1
+
+
+@njit(cache=True)
+def _exact_completion(counts: np.ndarray, room: int, largest: int, budget: int) -> tuple[int, int, int]:
+    """Up to three remaining sizes ``a >= b >= c`` (each ``<= largest``, 0 = unused) summing to ``room``.
+
+    ``counts[s]`` is the number of remaining items of size ``s``. Tries one item, then pairs, then
+    triples, largest first; gives up with ``(0, 0, 0)`` after ``budget`` probes.
+    """
+    if room <= largest and counts[room] > 0:
+        return room, 0, 0
+    probes = 0
+    for a in range(min(largest, room - 1), (room + 1) // 2 - 1, -1):
+        probes += 1
+        if counts[a] >= (2 if 2 * a == room else 1) and counts[room - a] > 0:
+            return a, room - a, 0
+    for a in range(min(largest, room - 2), (room + 2) // 3 - 1, -1):
+        if probes >= budget:
+            break
+        if counts[a] == 0:
+            probes += 1
+            continue
+        counts[a] -= 1
+        rest = room - a
+        for b in range(min(a, rest - 1), (rest + 1) // 2 - 1, -1):
+            probes += 1
+            if counts[b] >= (2 if 2 * b == rest else 1) and counts[rest - b] > 0:
+                counts[a] += 1
+                return a, b, rest - b
+            if probes >= budget:
+                break
+        counts[a] += 1
+    return 0, 0, 0
+
+
+@njit(cache=True)
+def _knapsack(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Fill one bin at a time, opened with the largest remaining item; then add the largest remaining
+    item that fits, unless at most three remaining items fill the bin exactly (then those, and the
+    bin closes). A bin also closes when nothing fits.
+
+    Items are bucketed by size (each bucket in ``order``); a presence tree over sizes finds the
+    largest non-empty bucket ``<= free`` in O(log C); the exact-fill search costs at most
+    O(C) probes and runs only when three items could fill the bin.
+    """
+    num_items = order.shape[0]
+    bin_of_item = np.empty(num_items, np.int64)
+    by_size = _sort_descending(sizes, order, capacity)
+    next_of_size = np.zeros(capacity + 1, np.int64)
+    counts = np.zeros(capacity + 1, np.int64)
+    for pos in range(num_items - 1, -1, -1):
+        size = sizes[by_size[pos]]
+        next_of_size[size] = pos
+        counts[size] += 1
+    leaves = _tree_leaves(capacity + 1)
+    has_item = np.zeros(2 * leaves, np.bool_)
+    for size in range(1, capacity + 1):
+        if counts[size] > 0:
+            _set_presence(has_item, leaves, size, True)
+    b = -1
+    placed = 0
+    while placed < num_items:
+        b += 1
+        free = capacity
+        while free > 0:
+            largest = _last_present_at_or_below(has_item, leaves, free)
+            if largest < 1:
+                break
+            first, second, third = 0, 0, 0
+            if free < capacity and free <= 3 * largest:
+                first, second, third = _exact_completion(counts, free, largest, capacity)
+            if first == 0:
+                first = largest
+            for size in (first, second, third):
+                if size == 0:
+                    continue
+                bin_of_item[by_size[next_of_size[size]]] = b
+                next_of_size[size] += 1
+                counts[size] -= 1
+                if counts[size] == 0:
+                    _set_presence(has_item, leaves, size, False)
+                free -= size
+                placed += 1
+    return bin_of_item, b + 1
+
+
+@njit(cache=True)
+def _best_fit_decreasing(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    return _best_fit(sizes, _sort_descending(sizes, order, capacity), capacity)
+
+
+@njit(cache=True)
+def _first_fit_decreasing(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    return _first_fit(sizes, _sort_descending(sizes, order, capacity), capacity)
+
+
+_KERNELS = {
+    "bfd": _best_fit_decreasing,
+    "ffd": _first_fit_decreasing,
+    "first_fit": _first_fit,
+    "next_fit": _next_fit,
+    "knapsack": _knapsack,
+}
+
+
+def assign_bins(sizes: np.ndarray, capacity: int, strategy: str, order: np.ndarray) -> tuple[np.ndarray, int]:
+    """Run one strategy.
+
+    Args:
+        sizes: int64 ``[M]``, every entry in ``1..capacity`` (validated by the caller).
+        capacity: bin size in tokens.
+        strategy: one of :data:`STRATEGIES`.
+        order: int64 ``[M]`` permutation; the order items are considered in (``first_fit``,
+            ``next_fit``) or the tie-break between equal sizes (the other strategies).
+
+    Returns:
+        ``bin_of_item`` int64 ``[M]`` (bins numbered in opening order) and the number of bins.
+    """
+    bin_of_item, num_bins = _KERNELS[strategy](sizes, order, capacity)
+    return bin_of_item, int(num_bins)
+
+
+@njit(cache=True)
+def group_by_bin(bin_of_item: np.ndarray, bin_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Items grouped bin after bin, CSR style (a counting sort: O(M + bins)).
+
+    Args:
+        bin_of_item: int64 ``[M]``, bin of each item.
+        bin_rank: int64 ``[B]``, the position of each bin in the output.
+
+    Returns:
+        ``items`` int64 ``[M]`` (item ids, bins in ``bin_rank`` order, ascending item id within a
+        bin) and ``offsets`` int64 ``[B+1]`` (bin at position ``p`` holds
+        ``items[offsets[p]:offsets[p + 1]]``).
+    """
+    num_bins = bin_rank.shape[0]
+    offsets = np.zeros(num_bins + 1, np.int64)
+    for b in bin_of_item:
+        offsets[bin_rank[b] + 1] += 1
+    for p in range(num_bins):
+        offsets[p + 1] += offsets[p]
+    cursor = offsets[:-1].copy()
+    items = np.empty(bin_of_item.shape[0], np.int64)
+    for i in range(bin_of_item.shape[0]):
+        p = bin_rank[bin_of_item[i]]
+        items[cursor[p]] = i
+        cursor[p] += 1
+    return items, offsets

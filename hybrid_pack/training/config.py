@@ -1,0 +1,71 @@
+"""Settings of one training run (``hybrid-pack train``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainConfig:
+    """Packed supervised fine-tuning settings.
+
+    Attributes:
+        model: a preset name (``qwen3-next-tiny``) or a local Hugging Face model directory.
+        data: ``"gsm8k"`` (bundled) or the path of a JSONL file of chats (``{"messages": [...]}``).
+        out: run directory (metrics.json, plots, checkpoint).
+        capacity: tokens per packed row.
+        max_examples: use the first N examples (None = all).
+        epochs / max_steps: stop after the epochs or the optimizer steps, whichever comes first.
+        grad_accum: packed rows per optimizer step.
+        lr, warmup_steps, weight_decay, min_lr_ratio: AdamW with linear warm-up and cosine decay.
+        dtype: ``"auto"`` (bf16 autocast where the device has it, else float32), ``"float32"`` or ``"bfloat16"``.
+        compare_padded: also train the same examples, in the same order and groups, in padded batches.
+        isolation_check: run the cross-contamination harness on the model first.
+        checkpoint_every: optimizer steps between checkpoints (0 = only at the end).
+        resume: continue from ``out/checkpoint.pt``.
+    """
+
+    model: str = "qwen3-next-tiny"
+    data: str = "gsm8k"
+    out: str = "runs/train"
+    capacity: int = 2048
+    max_examples: int | None = None
+    epochs: int = 1
+    max_steps: int | None = None
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    dtype: str = "auto"
+    seed: int = 0
+    device: str | None = None
+    compare_padded: bool = False
+    isolation_check: bool = False
+    checkpoint_every: int = 0
+    resume: bool = False
+    log_every: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("capacity", "epochs", "grad_accum"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: expected a positive int; got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps: expected a positive int or None; got {self.max_steps}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError(f"max_examples: expected a positive int or None; got {self.max_examples}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype: expected 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
+        if self.data != "gsm8k" and not Path(self.data).is_file():
+            raise ValueError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,41 @@
+"""The padded baseline: the same examples batched the usual way, padded to their longest.
+
+This is what ``transformers.DataCollatorWithPadding`` does for a causal LM (right padding, labels
+-100 on padding); it lets ``--compare-padded`` measure what packing saves on the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class PaddingCollator:
+    """Right-pad a list of examples to their longest.
+
+    Returns ``input_ids`` int64 ``[B, L]`` (``pad_token_id`` on padding), ``labels`` int64 ``[B, L]``
+    (-100 on padding and on each example's first token, as the packed collator does), and
+    ``attention_mask`` int64 ``[B, L]``.
+    """
+
+    def __init__(self, pad_token_id: int = 0) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("features: expected at least one example")
+        lengths = [len(f["input_ids"]) for f in features]
+        rows, width = len(features), max(lengths)
+        ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((rows, width), -100, dtype=np.int64)
+        mask = np.zeros((rows, width), dtype=np.int64)
+        for r, (f, n) in enumerate(zip(features, lengths)):
+            ids[r, :n] = np.asarray(f["input_ids"], dtype=np.int64)
+            labels[r, :n] = np.asarray(f.get("labels", f["input_ids"]), dtype=np.int64)
+            labels[r, 0] = -100
+            mask[r, :n] = 1
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "attention_mask": torch.from_numpy(mask)}

@@ -1,0 +1,223 @@
+"""Public-op validation and backend selection, exercised with the torch backends of attention and conv."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from hybrid_pack import use_backends
+from hybrid_pack.backends import ENV_VAR, Backend, available, register, registry, report, select, selector
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.ops import causal_conv1d, varlen_attention
+from hybrid_pack.ops.torch.conv import causal_conv1d as torch_causal_conv1d
+
+BOUNDARIES = PackedBoundaries.from_lengths([3, 5, 2])
+T = BOUNDARIES.total_tokens
+
+
+
+@pytest.fixture(autouse=True)
+def no_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def attention_inputs(**shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    sizes = {"q": (1, T, 4, 8), "k": (1, T, 2, 8), "v": (1, T, 2, 8)} | shapes
+    return {name: torch.randn(*size) for name, size in sizes.items()}
+
+
+def conv_inputs(**shapes: tuple[int, ...] | None) -> dict[str, torch.Tensor | None]:
+    sizes = {"x": (1, T, 6), "weight": (6, 4), "bias": (6,)} | shapes
+    return {name: None if size is None else torch.randn(*size) for name, size in sizes.items()}
+
+
+@pytest.mark.parametrize(("field", "shapes"), [
+    ("q", {"q": (2, T, 4, 8)}),
+    ("q", {"q": (1, T + 1, 4, 8)}),
+    ("q", {"q": (1, T, 32)}),
+    ("k", {"k": (2, T, 2, 8), "v": (2, T, 2, 8)}),
+    ("k", {"k": (1, T - 1, 2, 8), "v": (1, T - 1, 2, 8)}),
+    ("k", {"k": (1, T, 2, 4), "v": (1, T, 2, 4)}),
+    ("k", {"k": (1, T, 3, 8), "v": (1, T, 3, 8)}),
+    ("v", {"v": (1, T, 2, 16)}),
+])
+def test_attention_rejects_bad_shapes_naming_the_field(field: str, shapes: dict) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        varlen_attention(**attention_inputs(**shapes), boundaries=BOUNDARIES)
+
+
+@pytest.mark.parametrize(("field", "shapes", "activation"), [
+    ("x", {"x": (2, T, 6)}, None),
+    ("x", {"x": (1, T + 2, 6)}, None),
+    ("x", {"x": (T, 6)}, None),
+    ("weight", {"weight": (5, 4)}, None),
+    ("weight", {"weight": (6,)}, None),
+    ("bias", {"bias": (4,)}, None),
+    ("bias", {"bias": (1, 6)}, None),
+    ("activation", {}, "relu"),
+])
+def test_conv_rejects_bad_inputs_naming_the_field(field: str, shapes: dict, activation: str | None) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        causal_conv1d(**conv_inputs(**shapes), boundaries=BOUNDARIES, activation=activation)
+
+
+def test_ops_reject_anything_but_packed_boundaries() -> None:
+    with pytest.raises(ValueError, match=r"^boundaries: .*PackedBoundaries"):
+        causal_conv1d(**conv_inputs(), boundaries=BOUNDARIES.cu_seqlens)
+    with pytest.raises(ValueError, match=r"^boundaries: "):
+        varlen_attention(**attention_inputs(), boundaries={"cu_seq_lens_q": BOUNDARIES.cu_seqlens})
+
+
+def test_swish_is_silu() -> None:
+    inputs = conv_inputs()
+    silu = causal_conv1d(**inputs, boundaries=BOUNDARIES, activation="silu")
+    swish = causal_conv1d(**inputs, boundaries=BOUNDARIES, activation="swish")
+    torch.testing.assert_close(silu, swish, rtol=0, atol=0)
+
+
+FAKE_KERNEL_CALLS: list[int] = []
+
+
+def fake_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, boundaries: PackedBoundaries, *,
+              activation: str | None) -> torch.Tensor:
+    """Stands in for a conv kernel: records the width it was called with and returns the torch result."""
+    FAKE_KERNEL_CALLS.append(weight.shape[1])
+    return torch_causal_conv1d(x, weight, bias, boundaries, activation=activation)
+
+
+@pytest.fixture
+def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For one test, attention and conv have only their torch backends (whatever kernels this machine has)."""
+    for op in ("attention", "conv"):
+        monkeypatch.setitem(registry._REGISTRY, op, [registry.get_backend(op, "torch")])
+    monkeypatch.setattr(selector, "_logged", set())
+
+
+@pytest.fixture
+def fake_conv_backend(torch_only: None) -> list[int]:
+    """Registers, for one test only, a conv backend ranked above torch that takes widths up to 4."""
+    FAKE_KERNEL_CALLS.clear()
+
+    def accepts(inputs: Mapping[str, Any]) -> str:
+        width = inputs["weight"].shape[1]
+        return "" if width <= 4 else f"test kernel takes widths up to 4, not {width}"
+
+    register(Backend(op="conv", name="fake_kernel", impl=f"{__name__}:fake_conv", boundary_arg="seq_idx (test)",
+                     priority=100, accepts=accepts))
+    return FAKE_KERNEL_CALLS
+
+
+def test_higher_priority_backend_runs_when_it_accepts_the_inputs(fake_conv_backend: list[int]) -> None:
+    assert select("conv", device="cpu", dtype=torch.float32) == "fake_kernel"
+    causal_conv1d(**conv_inputs(weight=(6, 4)), boundaries=BOUNDARIES)
+    assert fake_conv_backend == [4]
+
+
+def test_rejected_inputs_fall_back_to_torch_and_log_once(fake_conv_backend: list[int],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    inputs = conv_inputs(weight=(6, 6))
+    with caplog.at_level(logging.WARNING, logger="hybrid_pack.backends"):
+        first = causal_conv1d(**inputs, boundaries=BOUNDARIES)
+        second = causal_conv1d(**inputs, boundaries=BOUNDARIES)
+    assert fake_conv_backend == []
+    skips = [r.getMessage() for r in caplog.records if "fake_kernel" in r.getMessage()]
+    assert len(skips) == 1 and "widths up to 4, not 6" in skips[0]
+    expected = torch_causal_conv1d(inputs["x"], inputs["weight"], inputs["bias"], BOUNDARIES, activation=None)
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+
+
+def test_forcing_a_backend_that_rejects_the_inputs_raises(fake_conv_backend: list[int]) -> None:
+    with pytest.raises(RuntimeError, match="fake_kernel.*widths up to 4, not 6"):
+        causal_conv1d(**conv_inputs(weight=(6, 6)), boundaries=BOUNDARIES, backend="fake_kernel")
+    with use_backends(conv="torch"):
+        causal_conv1d(**conv_inputs(weight=(6, 4)), boundaries=BOUNDARIES)
+    assert fake_conv_backend == []
+
+
+@pytest.mark.parametrize("how", ["argument", "context", "environment"])
+def test_torch_backends_can_be_forced(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    attention, conv = attention_inputs(), conv_inputs()
+    if how == "argument":
+        out_a = varlen_attention(**attention, boundaries=BOUNDARIES, backend="torch")
+        out_c = causal_conv1d(**conv, boundaries=BOUNDARIES, backend="torch")
+    elif how == "context":
+        with use_backends(attention="torch", conv="torch"):
+            out_a = varlen_attention(**attention, boundaries=BOUNDARIES)
+            out_c = causal_conv1d(**conv, boundaries=BOUNDARIES)
+    else:
+        monkeypatch.setenv(ENV_VAR, "attention=torch, conv=torch")
+        out_a = varlen_attention(**attention, boundaries=BOUNDARIES)
+        out_c = causal_conv1d(**conv, boundaries=BOUNDARIES)
+    assert out_a.shape == (1, T, 4, 8) and out_c.shape == (1, T, 6)
+
+
+def test_forced_backend_outranks_a_higher_priority_one(fake_conv_backend: list[int],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "conv=torch")
+    causal_conv1d(**conv_inputs(), boundaries=BOUNDARIES)
+    with use_backends(conv="fake_kernel"):
+        causal_conv1d(**conv_inputs(), boundaries=BOUNDARIES)
+    assert fake_conv_backend == [4]
+
+
+def test_unknown_backend_names_raise() -> None:
+    with pytest.raises(ValueError, match="'nope' is not a backend of op 'attention'.*torch"):
+        varlen_attention(**attention_inputs(), boundaries=BOUNDARIES, backend="nope")
+    with pytest.raises(ValueError, match="^use_backends: .*'nope'"):
+        with use_backends(conv="nope"):
+            pass
+    with pytest.raises(ValueError, match="^use_backends: unknown op 'convolution'"):
+        with use_backends(convolution="torch"):
+            pass
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("conv=nope", "'nope' is not a backend of op 'conv'"),
+    ("conv", "expected comma-separated op=backend pairs"),
+    ("attn=torch", "unknown op 'attn'"),
+])
+def test_bad_environment_override_raises(value: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, value)
+    with pytest.raises(ValueError, match=rf"^{ENV_VAR}: .*{message}"):
+        causal_conv1d(**conv_inputs(), boundaries=BOUNDARIES)
+
+
+def test_available_lists_usable_torch_backends() -> None:
+    rows = {(r.op, r.backend): r for r in available()}
+    for op in ("attention", "conv"):
+        row = rows[(op, "torch")]
+        assert row.usable and row.reason == "" and row.backward and row.priority == 0
+    assert {r.op for r in available("conv")} == {"conv"}
+
+
+def test_unusable_backends_say_why(torch_only: None) -> None:
+    register(Backend(op="attention", name="missing_pkg", impl="no_such_module:fn", boundary_arg="cu_seqlens",
+                     priority=50, requires=("hybrid_pack_no_such_package",)))
+    register(Backend(op="attention", name="no_backward", impl="no_such_module:fn", boundary_arg="cu_seqlens",
+                     priority=40, backward=False))
+    rows = {r.backend: r for r in available("attention")}
+    assert not rows["missing_pkg"].usable and "hybrid_pack_no_such_package" in rows["missing_pkg"].reason
+    assert select("attention", device="cpu", dtype=torch.float32, requires_grad=True) == "torch"
+    with pytest.raises(RuntimeError, match="missing_pkg.*not installed"):
+        varlen_attention(**attention_inputs(), boundaries=BOUNDARIES, backend="missing_pkg")
+    q, k, v = (t.requires_grad_() for t in attention_inputs().values())
+    with pytest.raises(RuntimeError, match="no_backward.*has no backward pass"):
+        varlen_attention(q, k, v, BOUNDARIES, backend="no_backward")
+    text = report("cpu")
+    assert "no: package 'hybrid_pack_no_such_package' is not installed" in text
+    assert "no: has no backward pass" in text
+
+
+def test_select_and_report_on_cpu(torch_only: None) -> None:
+    for op in ("attention", "conv"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            assert select(op, device="cpu", dtype=dtype, requires_grad=True) == "torch"
+    lines = report("cpu", torch.float32).splitlines()
+    assert lines[0].startswith("hybrid_pack backends on cpu, float32")
+    chosen = [line.split() for line in lines if line.endswith("CHOSEN")]
+    assert ["attention", "torch"] == chosen[0][:2] and ["conv", "torch"] == chosen[1][:2]

@@ -1,0 +1,122 @@
+"""pack_rollouts: every rollout once, per-token RL fields aligned with its tokens, tool outputs masked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybrid_pack import PackedBoundaries, pack_rollouts, packed_loss
+
+
+def _rollouts(seed: int, num: int, *, per_token_advantages: bool = False):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 500, rng.integers(1, 30)).tolist() for _ in range(num)]
+    responses = [rng.integers(0, 500, rng.integers(1, 40)).tolist() for _ in range(num)]
+    tool_masks = [(rng.random(len(r)) < 0.3).astype(int).tolist() for r in responses]
+    if per_token_advantages:
+        advantages = [rng.normal(size=len(r)).astype(np.float32).tolist() for r in responses]
+    else:
+        advantages = rng.normal(size=num).astype(np.float32).tolist()
+    old_logprobs = [(-rng.random(len(r))).astype(np.float32).tolist() for r in responses]
+    return prompts, responses, tool_masks, advantages, old_logprobs
+
+
+def _documents(batch):
+    """Per-document slices of every per-token key of one batch (padding segment excluded)."""
+    boundaries = PackedBoundaries.from_batch(batch)
+    cu = boundaries.cu_seqlens.tolist()
+    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    return [{k: batch[k][0, a:b].tolist() for k in keys} for a, b in zip(cu[:-1], cu[1:])][:boundaries.num_docs]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), num=st.integers(1, 40), capacity=st.integers(70, 200),
+       per_token=st.booleans(), strategy=st.sampled_from(["bfd", "ffd", "first_fit", "knapsack"]))
+def test_every_rollout_once_with_aligned_fields(seed, num, capacity, per_token, strategy):
+    prompts, responses, tool_masks, advantages, old_logprobs = _rollouts(seed, num, per_token_advantages=per_token)
+    batches = pack_rollouts(prompts, responses, capacity, tool_masks=tool_masks, advantages=advantages,
+                            old_logprobs=old_logprobs, strategy=strategy)
+    seen = []
+    for batch in batches:
+        assert batch["input_ids"].shape[1] <= capacity
+        assert batch["response_mask"].dtype == torch.int64 and batch["advantages"].dtype == torch.float32
+        for doc in _documents(batch):
+            i = doc["sample_index"][0]
+            seen.append(i)
+            p, r = len(prompts[i]), len(responses[i])
+            assert doc["sample_index"] == [i] * (p + r)
+            assert doc["input_ids"] == prompts[i] + responses[i]
+            assert doc["response_mask"] == [0] * p + [1] * r
+            assert doc["tool_mask"] == [0] * p + tool_masks[i]
+            expected_adv = advantages[i] if per_token else [advantages[i]] * r
+            assert doc["advantages"] == pytest.approx([0.0] * p + expected_adv)
+            assert doc["old_logprobs"] == pytest.approx([0.0] * p + old_logprobs[i])
+            policy = [0] * p + [1 - t for t in tool_masks[i]]
+            expected_labels = [tok if keep else -100 for tok, keep in zip(doc["input_ids"], policy)]
+            expected_labels[0] = -100
+            assert doc["labels"] == expected_labels
+    assert sorted(seen) == list(range(num))
+
+
+def test_padding_gets_sample_index_minus_one():
+    prompts, responses, *_ = _rollouts(1, 10)
+    for batch in pack_rollouts(prompts, responses, 128, pad_to_multiple_of=64):
+        pad = batch.get("num_pad_tokens", 0)
+        assert batch["input_ids"].shape[1] % 64 == 0
+        if pad:
+            assert (batch["sample_index"][0, -pad:] == -1).all()
+            assert (batch["response_mask"][0, -pad:] == 0).all()
+        assert (batch["sample_index"][0, :batch["input_ids"].shape[1] - pad] >= 0).all()
+
+
+def test_policy_gradient_skips_prompt_and_tool_tokens():
+    prompts, responses, tool_masks, advantages, old_logprobs = _rollouts(2, 6)
+    (batch,) = pack_rollouts(prompts, responses, 4096, tool_masks=tool_masks, advantages=advantages,
+                             old_logprobs=old_logprobs)
+    logits = torch.randn(1, batch["input_ids"].shape[1], 500, requires_grad=True)
+    loss = packed_loss(logits, batch["labels"], boundaries=PackedBoundaries.from_batch(batch))
+    (grad,) = torch.autograd.grad(loss, logits)
+    predicts_policy_token = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    predicts_policy_token[:, :-1] = (batch["response_mask"] * (1 - batch["tool_mask"]))[:, 1:].bool()
+    predicts_policy_token[:, :-1] &= batch["seq_idx"][:, 1:] == batch["seq_idx"][:, :-1]
+    assert (grad.abs().sum(-1)[predicts_policy_token] > 0).all()
+    assert (grad.abs().sum(-1)[~predicts_policy_token] == 0).all()
+
+
+def test_overflow_truncate_and_drop():
+    prompts = [[1] * 10, [2] * 10, [3] * 5]
+    responses = [[4] * 100, [5] * 5, [6] * 5]
+    with pytest.raises(ValueError, match="capacity"):
+        pack_rollouts(prompts, responses, 64)
+    truncated = pack_rollouts(prompts, responses, 64, overflow="truncate", old_logprobs=[[0.5] * len(r) for r in responses])
+    docs = [d for b in truncated for d in _documents(b)]
+    long = next(d for d in docs if d["sample_index"][0] == 0)
+    assert long["input_ids"] == [1] * 10 + [4] * 54 and long["old_logprobs"] == [0.0] * 10 + [0.5] * 54
+    dropped = pack_rollouts(prompts, responses, 64, overflow="drop")
+    assert sorted(d["sample_index"][0] for b in dropped for d in _documents(b)) == [1, 2]
+
+
+def test_tensor_inputs_and_default_masks():
+    batches = pack_rollouts([torch.tensor([1, 2])], [torch.tensor([3, 4, 5])], 16)
+    (doc,) = _documents(batches[0])
+    assert doc["input_ids"] == [1, 2, 3, 4, 5] and doc["tool_mask"] == [0] * 5
+    assert "advantages" not in batches[0] and "old_logprobs" not in batches[0]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"responses": [[1]]}, "responses"),
+    ({"tool_masks": [[0, 1], [1]]}, r"tool_masks\[0\]"),
+    ({"tool_masks": [[0], [2, 0]]}, "tool_masks"),
+    ({"advantages": [1.0, [1.0, 2.0]]}, r"advantages\[0\]"),
+    ({"advantages": [1.0]}, "advantages"),
+    ({"old_logprobs": [[0.1], [0.1]]}, r"old_logprobs\[1\]"),
+    ({"overflow": "split"}, "overflow"),
+    ({"responses": [[1], []]}, r"responses\[1\]"),
+])
+def test_bad_inputs_name_the_field(kwargs, field):
+    arguments = {"prompts": [[7], [8]], "responses": [[1], [2, 3]], "capacity": 16, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        pack_rollouts(**arguments)

@@ -1,0 +1,124 @@
+"""Training: packed equals padded on the same batch, resume is exact, torchrun ranks agree, the CLI works."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybrid_pack import PackingCollator
+from hybrid_pack.cli import main
+from hybrid_pack.modeling import from_preset
+from hybrid_pack.training import PaddingCollator, TrainConfig, train
+from hybrid_pack.training import trainer as trainer_module
+
+
+def _features(seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 1, 33, 64, 65, 5]
+    feats = []
+    for n in lengths:
+        ids = torch.randint(1, 500, (n,), generator=g).tolist()
+        labels = [-100 if i < n // 3 else t for i, t in enumerate(ids)]
+        feats.append({"input_ids": ids, "labels": labels})
+    return feats
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "bamba-tiny"])
+def test_same_batch_packed_and_padded_give_same_loss_and_gradients(preset):
+    torch.manual_seed(0)
+    model = from_preset(preset, vocab_size=512).train()
+    feats = _features()
+    packed = PackingCollator()(feats)
+    padded = PaddingCollator()(feats)
+    loss_packed = model(**packed).loss
+    grads_packed = torch.autograd.grad(loss_packed, list(model.parameters()))
+    loss_padded = model(input_ids=padded["input_ids"], labels=padded["labels"]).loss
+    grads_padded = torch.autograd.grad(loss_padded, list(model.parameters()))
+    torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_packed, grads_padded):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_padding_collator_masks_padding_and_first_tokens():
+    batch = PaddingCollator(pad_token_id=9)([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert batch["labels"].tolist() == [[-100, 2, 3], [-100, -100, -100]]
+
+
+def _params(path):
+    return torch.load(path / "checkpoint.pt", weights_only=False)["model"]
+
+
+def test_resume_after_a_stop_reaches_the_same_parameters(tmp_path, monkeypatch):
+    cfg = dict(max_examples=60, capacity=1024, max_steps=4, checkpoint_every=2, progress=False, lr=1e-2)
+    full = train(TrainConfig(out=str(tmp_path / "full"), **cfg))
+
+    save = trainer_module._save_checkpoint
+
+    def crash_after_step_two(path, model, optimizer, scheduler, sampler, step, stats):
+        save(path, model, optimizer, scheduler, sampler, step, stats)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "_save_checkpoint", crash_after_step_two)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=str(tmp_path / "cut"), **cfg))
+    monkeypatch.setattr(trainer_module, "_save_checkpoint", save)
+    resumed = train(TrainConfig(out=str(tmp_path / "cut"), resume=True, **cfg))
+
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
+    for (name, a), b in zip(_params(tmp_path / "full").items(), _params(tmp_path / "cut").values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_compare_padded_metrics_and_plots(tmp_path):
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--max-examples", "40", "--capacity", "1024", "--max-steps", "3",
+                 "--compare-padded", "--isolation-check", "--no-progress"])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("tokens_per_second", "packing_efficiency", "final_loss", "isolation_ok", "padded_tokens_per_second"):
+        assert key in metrics
+    assert metrics["isolation_ok"] is True and metrics["losses_agree"] is True
+    assert metrics["first_step_loss_rel_diff"] < 1e-5
+    assert metrics["padded_tokens_ratio"] > 1.0
+    assert (out / "loss.png").stat().st_size > 0 and (out / "pack_fill.png").stat().st_size > 0
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path), "--capacity", "0"]) == 2
+    assert "capacity" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path), "--data", "missing.jsonl"]) == 2
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--epochs", "x"])
+    assert info.value.code == 2
+
+
+def test_user_jsonl_chats(tmp_path):
+    data = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    data.write_text("\n".join(json.dumps(chat) for _ in range(6)))
+    metrics = train(TrainConfig(out=str(tmp_path / "run"), data=str(data), capacity=256, progress=False))
+    assert metrics["examples"] == 6 and metrics["steps"] >= 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_torchrun_two_processes_agree(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "tests.workers.dist_train", str(tmp_path)]
+    subprocess.run(cmd, check=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
+    assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == 2

@@ -1,0 +1,134 @@
+"""patch_model on every supported Hugging Face hybrid family (tiny random models, float32, CPU).
+
+For each family: the patched model keeps the documents of a packed row apart, forward and backward
+(one-token documents, a document longer than the chunk size, a trailing padding segment); a packed
+row of one document gives the unpatched model's logits; ordinary padded batches are untouched; and
+the unpatched model raises or leaks on the same packed batch, so the patch is what makes it safe.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hybrid_pack.boundaries import PackedBoundaries  # noqa: E402
+from hybrid_pack.integrations.transformers import patch_model  # noqa: E402
+from hybrid_pack.integrations.transformers.tiny import (  # noqa: E402
+    CHUNK,
+    TINY_CONFIGS,
+    VOCAB,
+    pure_torch_transformers,
+    tiny_model,
+)
+from hybrid_pack.testing import check_isolation  # noqa: E402
+
+FAMILIES = sorted(TINY_CONFIGS)
+# One-token documents, one longer than the chunk size (16), conv-width edges, a trailing padding segment.
+LENGTHS = [1, CHUNK + 5, 2, 4]
+NUM_PAD = 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_is_isolated(family: str) -> None:
+    model = patch_model(tiny_model(family))
+    report = check_isolation(model, lengths=LENGTHS, num_pad_tokens=NUM_PAD, grads=True, atol=1e-5)
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_matches_unpatched(family: str) -> None:
+    reference, model = tiny_model(family), patch_model(tiny_model(family))
+    ids = _ids(1, 2 * CHUNK + 3)
+    padded = _ids(2, 13, seed=1)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad(), pure_torch_transformers(reference):
+        expected = reference(input_ids=ids).logits
+        packed = model(input_ids=ids, **PackedBoundaries.from_lengths([ids.shape[1]]).hf_kwargs()).logits
+        ordinary = model(input_ids=ids).logits
+        padded_expected = reference(input_ids=padded, attention_mask=mask).logits
+        padded_patched = model(input_ids=padded, attention_mask=mask).logits
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ordinary, expected, rtol=0, atol=0)
+    torch.testing.assert_close(padded_patched, padded_expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpatched_model_raises_or_leaks(family: str) -> None:
+    report = check_isolation(tiny_model(family), lengths=LENGTHS, num_pad_tokens=NUM_PAD, grads=False,
+                             per_layer=False, atol=1e-5)
+    assert report.error is not None or not report.ok, str(report)
+
+
+def test_restarting_position_ids_alone_mark_a_packed_row() -> None:
+    model = patch_model(tiny_model("bamba"))
+    boundaries = PackedBoundaries.from_lengths(LENGTHS)
+    ids = _ids(1, boundaries.total_tokens)
+    with torch.no_grad():
+        full = model(input_ids=ids, **boundaries.hf_kwargs()).logits
+        positions_only = model(input_ids=ids, position_ids=boundaries.position_ids).logits
+    torch.testing.assert_close(positions_only, full, rtol=0, atol=0)
+
+
+def test_gradient_checkpointing_keeps_documents_apart() -> None:
+    model = patch_model(tiny_model("qwen3_next"))
+    boundaries = PackedBoundaries.from_lengths(LENGTHS)
+    embeds = model.get_input_embeddings()(_ids(1, boundaries.total_tokens)).detach()
+
+    def grad_of_first_doc(checkpointing: bool) -> torch.Tensor:
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        x = embeds.clone().requires_grad_(True)
+        model(inputs_embeds=x, **boundaries.hf_kwargs()).logits[0, : sum(LENGTHS[:2])].sum().backward()
+        return x.grad
+
+    plain = grad_of_first_doc(False)
+    checkpointed = grad_of_first_doc(True)
+    assert checkpointed[0, sum(LENGTHS[:2]):].abs().max() == 0
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_packed_calls_raise() -> None:
+    model = patch_model(tiny_model("lfm2"))
+    boundaries = PackedBoundaries.from_lengths([3, 4])
+    ids = _ids(1, 7)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), **boundaries.hf_kwargs())
+    with pytest.raises(ValueError, match="batch size 2"):
+        model(input_ids=_ids(2, 7), **boundaries.hf_kwargs())
+    with pytest.raises(ValueError, match="use_cache"):
+        model(input_ids=ids, use_cache=True, **boundaries.hf_kwargs())
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        model(input_ids=ids, **{**boundaries.hf_kwargs(), "cu_seq_lens_k": torch.tensor([0, 2, 7], dtype=torch.int32)})
+
+
+def test_unsupported_model_is_refused() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="not a supported hybrid family.*Qwen3-Next.*Jamba"):
+        patch_model(llama)
+
+
+def test_patch_is_idempotent() -> None:
+    model = patch_model(tiny_model("mamba2"))
+    forward = model.forward
+    assert patch_model(model) is model and model.forward is forward
