@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/bench_gated_delta.py            # T=4096, 8 documents, H=4, K=V=64, fp32
 
+On a machine shared with other jobs, run with ``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads
+that wait for a busy core otherwise dominate every multi-threaded figure.
+
 Writes ``benchmarks/results/gated_delta.json`` and prints a markdown table for docs/benchmarks.md.
 Each figure is the best of ``--repeats`` round-robin runs. Wall time and process CPU time are both
 recorded: on a shared machine the wall time includes waiting for a core, the CPU time does not.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -115,7 +119,8 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/bench_gated_delta.py", *sys.argv[1:]]),
         "tokens": args.tokens, "lengths": lengths, "heads": args.heads, "k_dim": args.dim, "v_dim": args.dim,
         "default_chunk_size": torch_backend.CHUNK_SIZE, "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(), "repeats": args.repeats,
+        "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "repeats": args.repeats,
         "by_threads": {
             str(threads): {
                 name: {**r, "tokens_per_s": args.tokens / r["wall_s"],

@@ -38,9 +38,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_pack import plan_packs  # noqa: E402
-from hybrid_pack.data import LENGTH_TABLES, load_lengths  # noqa: E402
-from hybrid_pack.packing.plan import STRATEGIES  # noqa: E402
+from hybrid_pack import plan_packs
+from hybrid_pack.data import LENGTH_TABLES, load_lengths
+from hybrid_pack.packing.plan import STRATEGIES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "packing.json"
 TRL_DISTRIBUTION = "gsm8k_train/full_chatml"

@@ -13,12 +13,13 @@
 3. RL rollouts: ``pack_rollouts`` of 4096 rollouts (prompt / response lengths resampled from the
    bundled ``last_turn_prompt`` / ``last_turn_response`` tables) at capacity 16384: the packing
    decision (``plan_packs`` on the lengths, median of 50 runs) and the full build of the batches.
-4. Tokenise-and-plan: ``tokenize_and_plan`` (Qwen3 tokenizer, ``Dataset.map`` with ``num_proc``)
-   on synthetic texts (Shakespeare words, log-normal word counts, ~128 tokens each) stored on
-   disk, two sizes, each in a fresh process: wall time, RSS before (imports + tokenizer) and peak
-   RSS of the main process, and peak total memory (main RSS + the workers' unique memory). Per
-   million examples: the marginal time between the two sizes (start-up cost removed), and the
-   peak total at the larger size plus the measured growth per example.
+4. Tokenise-and-plan: ``tokenize_and_plan`` (Qwen3 tokenizer, capacity 4096, ``Dataset.map``
+   without and with worker processes) on synthetic texts (Shakespeare words, log-normal word
+   counts, ~129 tokens each) stored on disk, two sizes, each run in a fresh process: wall time and
+   peak anonymous memory (heap: main ``RssAnon`` + the workers' ``Private_Dirty``), with the
+   memory-mapped Arrow pages (page cache, reclaimable) apart. Per million examples: the marginal
+   time between the two sizes (start-up cost removed) and the anonymous peak at the larger size
+   plus its measured growth per example.
 
 Writes ``benchmarks/results/pipeline.json`` and prints a markdown table.
 """
@@ -49,6 +50,7 @@ from hybrid_pack.packing import PackedBatchSampler, pack_rollouts, pack_stream, 
 from hybrid_pack.packing.balance import balance_stats  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
+SECTIONS = ("streaming", "balance", "rollouts", "tokenize")
 SHAKESPEARE = Path("/work/shared/data/datasets/tinyshakespeare/input.txt.gz")
 
 
@@ -148,17 +150,27 @@ def make_synthetic_dataset(path: str, num_examples: int, seed: int) -> None:
         datasets.Dataset.from_generator(rows, cache_dir=cache).save_to_disk(path)
 
 
-class MemorySampler(threading.Thread):
-    """Samples, every ``interval`` seconds, this process's RSS and the unique memory (USS) of its workers.
+def _proc_kib(pid: int, filename: str, field: str) -> int:
+    """One ``field: N kB`` line of ``/proc/<pid>/<filename>``, in KiB (0 if absent)."""
+    with open(f"/proc/{pid}/{filename}") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
 
-    Workers are forked: their RSS counts the pages they share with this process, their USS only
-    what they add, so ``main RSS + sum(worker USS)`` is the physical memory the job holds.
+
+class MemorySampler(threading.Thread):
+    """Samples, every ``interval`` seconds, the anonymous memory of this process and of its workers.
+
+    Memory-mapped Arrow pages are page cache (file-backed, reclaimable) and are reported apart. The
+    workers are forked, so their RSS includes pages shared with this process; what each adds is
+    its ``Private_Dirty`` memory. ``total anonymous = main RssAnon + sum(worker Private_Dirty)``.
     """
 
     def __init__(self, interval: float = 0.05) -> None:
         super().__init__(daemon=True)
         self.interval = interval
-        self.peak_main = self.peak_total = 0
+        self.peak_main_anon = self.peak_main_file = self.peak_total_anon = 0
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -167,12 +179,13 @@ class MemorySampler(threading.Thread):
             workers = 0
             for child in main.children(recursive=True):
                 try:
-                    workers += child.memory_full_info().uss
-                except psutil.NoSuchProcess:
+                    workers += _proc_kib(child.pid, "smaps_rollup", "Private_Dirty")
+                except (FileNotFoundError, ProcessLookupError):
                     pass
-            rss = main.memory_info().rss
-            self.peak_main = max(self.peak_main, rss)
-            self.peak_total = max(self.peak_total, rss + workers)
+            anon = _proc_kib(main.pid, "status", "RssAnon")
+            self.peak_main_anon = max(self.peak_main_anon, anon)
+            self.peak_main_file = max(self.peak_main_file, _proc_kib(main.pid, "status", "RssFile"))
+            self.peak_total_anon = max(self.peak_total_anon, anon + workers)
             time.sleep(self.interval)
 
 
@@ -186,7 +199,7 @@ def run_tokenize(path: str, num_proc: int, capacity: int) -> dict:
     datasets.disable_progress_bars()
     dataset = datasets.load_from_disk(path)
     tokenizer = load_tokenizer()
-    before = psutil.Process().memory_info().rss
+    before = _proc_kib(os.getpid(), "status", "RssAnon")
     sampler = MemorySampler()
     sampler.start()
     with tempfile.TemporaryDirectory() as cache:
@@ -196,34 +209,39 @@ def run_tokenize(path: str, num_proc: int, capacity: int) -> dict:
         seconds = time.perf_counter() - start
     sampler.done.set()
     sampler.join()
-    mib = 2.0**20
     return {"examples": len(dataset), "tokens": int(result.lengths.sum()), "seconds": seconds,
-            "packs": len(result.plan), "efficiency": result.plan.efficiency, "rss_before_mib": before / mib,
-            "peak_rss_main_mib": sampler.peak_main / mib, "peak_total_mib": sampler.peak_total / mib}
+            "packs": len(result.plan), "efficiency": result.plan.efficiency, "anon_before_mib": before / 1024,
+            "peak_main_anon_mib": sampler.peak_main_anon / 1024, "peak_main_file_mib": sampler.peak_main_file / 1024,
+            "peak_total_anon_mib": sampler.peak_total_anon / 1024}
 
 
-def bench_tokenize(sizes: list[int], num_proc: int, capacity: int) -> dict:
+def _tokenize_summary(runs: list[dict]) -> dict:
+    """Per-million figures from a small and a large run: marginal time, anonymous-memory growth."""
+    small, large = runs[0], runs[-1]
+    extra = large["examples"] - small["examples"]
+    seconds = large["seconds"] - small["seconds"]
+    growth = (large["peak_total_anon_mib"] - small["peak_total_anon_mib"]) / extra
+    return {"num_proc": large["num_proc"], "seconds_per_million": seconds / extra * 1e6,
+            "tokens_per_second": (large["tokens"] - small["tokens"]) / seconds,
+            "anon_growth_mib_per_million": growth * 1e6,
+            "estimated_peak_anon_mib_at_million": large["peak_total_anon_mib"] + max(growth, 0.0) * (1e6 - large["examples"])}
+
+
+def bench_tokenize(sizes: list[int], num_procs: list[int], capacity: int) -> dict:
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for size in sizes:
             path = os.path.join(folder, f"synthetic_{size}")
             subprocess.run([sys.executable, __file__, "--make-dataset", path, str(size)], check=True)
-            out = subprocess.run([sys.executable, __file__, "--tokenize-child", path, str(num_proc), str(capacity)],
-                                 capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-            if out.returncode:
-                raise RuntimeError(f"tokenize child failed on {size} examples:\n{out.stderr[-3000:]}")
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    small, large = runs[0], runs[-1]
-    extra = large["examples"] - small["examples"]
-    marginal_seconds = (large["seconds"] - small["seconds"]) / extra if extra else large["seconds"] / large["examples"]
-    memory_growth = (large["peak_total_mib"] - small["peak_total_mib"]) / extra if extra else 0.0
-    return {"num_proc": num_proc, "capacity": capacity, "runs": runs,
-            "seconds_per_million": marginal_seconds * 1e6,
-            "tokens_per_second": (large["tokens"] - small["tokens"]) / (large["seconds"] - small["seconds"])
-            if extra else large["tokens"] / large["seconds"],
-            "peak_total_growth_mib_per_million": memory_growth * 1e6,
-            "estimated_peak_total_mib_at_million": large["peak_total_mib"]
-            + max(memory_growth, 0.0) * (1e6 - large["examples"])}
+            for num_proc in num_procs:
+                out = subprocess.run([sys.executable, __file__, "--tokenize-child", path, str(num_proc), str(capacity)],
+                                     capture_output=True, text=True,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                if out.returncode:
+                    raise RuntimeError(f"tokenize child failed on {size} examples:\n{out.stderr[-3000:]}")
+                runs.append({"num_proc": num_proc, **json.loads(out.stdout.strip().splitlines()[-1])})
+    return {"capacity": capacity, "runs": runs,
+            "per_million": [_tokenize_summary([r for r in runs if r["num_proc"] == n]) for n in num_procs]}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -245,22 +263,27 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {r['lengths']} | {r['rollouts']:,} | {r['capacity']} | {r['packs']} | {r['efficiency']:.2%} | "
                      f"{r['decision_ms_median']:.2f} ms ({r['decision_ms_p90']:.2f} ms) | {r['build_seconds_median']:.2f} s |")
     t = results["tokenize"]
-    lines += ["", "| tokenize_and_plan (Qwen3) | examples | tokens | time | RSS before / peak main | peak total |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| tokenize_and_plan (Qwen3) | examples | tokens | time | main anon: before / peak | "
+              "peak anon, main + workers | main file-backed (mmap) |", "|---|---|---|---|---|---|---|"]
     for r in t["runs"]:
-        lines.append(f"| num_proc={t['num_proc']} | {r['examples']:,} | {r['tokens']:,} | {r['seconds']:.1f} s | "
-                     f"{r['rss_before_mib']:.0f} / {r['peak_rss_main_mib']:.0f} MiB | {r['peak_total_mib']:.0f} MiB |")
-    lines.append(f"| per million (marginal) | 1,000,000 | | {t['seconds_per_million']:.0f} s "
-                 f"({t['tokens_per_second']:,.0f} tokens/s) | | {t['estimated_peak_total_mib_at_million']:.0f} MiB "
-                 f"(+{t['peak_total_growth_mib_per_million']:.0f} MiB per million) |")
+        lines.append(f"| num_proc={r['num_proc']} | {r['examples']:,} | {r['tokens']:,} | {r['seconds']:.1f} s | "
+                     f"{r['anon_before_mib']:.0f} / {r['peak_main_anon_mib']:.0f} MiB | {r['peak_total_anon_mib']:.0f} MiB | "
+                     f"{r['peak_main_file_mib']:.0f} MiB |")
+    for m in t["per_million"]:
+        lines.append(f"| num_proc={m['num_proc']}, per million (marginal) | 1,000,000 | | {m['seconds_per_million']:.0f} s "
+                     f"({m['tokens_per_second']:,.0f} tokens/s) | | {m['estimated_peak_anon_mib_at_million']:.0f} MiB "
+                     f"({m['anon_growth_mib_per_million']:+.0f} MiB per million) | |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--num-proc", type=int, default=2, help="Dataset.map workers for tokenize_and_plan")
-    parser.add_argument("--tokenize-sizes", type=int, nargs=2, default=[20_000, 100_000])
+    parser.add_argument("--num-procs", type=int, nargs="+", default=[1, 2],
+                        help="Dataset.map workers for tokenize_and_plan (1: no worker processes)")
+    parser.add_argument("--tokenize-sizes", type=int, nargs=2, default=[20_000, 200_000])
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS),
+                        help="run only these (the others keep their values in the results file)")
     parser.add_argument("--make-dataset", nargs=2, metavar=("PATH", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--tokenize-child", nargs=3, metavar=("PATH", "NUM_PROC", "CAPACITY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -271,15 +294,17 @@ def main() -> None:
         print(json.dumps(run_tokenize(args.tokenize_child[0], int(args.tokenize_child[1]), int(args.tokenize_child[2]))))
         return
 
-    rng = np.random.default_rng(0)
     scale = 10 if args.quick else 1
-    results = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "streaming": bench_streaming(200_000 // scale, 8192, 10_000, rng),
-        "balance": bench_balance(200_000 // scale, rng),
-        "rollouts": bench_rollouts(4096, 16384, rng),
-        "tokenize": bench_tokenize([s // scale for s in args.tokenize_sizes], args.num_proc, 4096),
+    runners = {
+        "streaming": lambda rng: bench_streaming(200_000 // scale, 8192, 10_000, rng),
+        "balance": lambda rng: bench_balance(200_000 // scale, rng),
+        "rollouts": lambda rng: bench_rollouts(4096, 16384, rng),
+        "tokenize": lambda rng: bench_tokenize([s // scale for s in args.tokenize_sizes], args.num_procs, 4096),
     }
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() and not args.quick else {}
+    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    for name in args.sections:
+        results[name] = runners[name](np.random.default_rng(0))
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(results, indent=2))

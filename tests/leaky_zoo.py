@@ -145,7 +145,7 @@ LEAKY = {
     "conv without boundaries": (lambda d: [Attention(d), CausalConv(d, reach=None)], "blocks.1.mixer"),
     "recurrence without resets": (lambda d: [CausalConv(d), Recurrence(reset=False)], "blocks.1.mixer"),
     "attention without a document mask": (lambda d: [CausalConv(d), Attention(d, doc_mask=False)], "blocks.1.mixer"),
-    "positions that do not restart": (lambda d: [CausalConv(d), Positions(d, restart=False)], "blocks.1.mixer.table"),
+    "positions that do not restart": (lambda d: [CausalConv(d), Positions(d, restart=False)], "blocks.1.mixer"),
     "normalisation over the time axis": (lambda d: [Attention(d), TimeNorm()], "blocks.1.mixer"),
     "boundary off by one": (lambda d: [Attention(d), CausalConv(d, reach=1)], "blocks.1.mixer"),
     "leak only in the backward pass": (lambda d: [CausalConv(d), BackwardLeak(), Attention(d)], "blocks.1.mixer"),

@@ -35,14 +35,6 @@ CONFIGS = {
 K_DIM, V_DIM = 16, 12
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation (and stall on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_boundaries(layout: list) -> PackedBoundaries:
     pad = layout[-1][1] if isinstance(layout[-1], tuple) else 0

@@ -69,8 +69,8 @@ def test_next_fit_never_reopens_a_pack():
 
 
 def test_knapsack_fills_one_pack_at_a_time_with_the_largest_that_fits():
-    # Capacity 10, no exact completion anywhere: p0 = 7, then the largest that fits 3 free (2), then 1;
-    # p1 = 6, then 2 (the 5 does not fit 4 free); p2 = 5.
+    # Capacity 10: p0 opens with 7 (the largest) and 2 + 1 fill its last 3 exactly. p1 opens with 6;
+    # nothing left fills 4 exactly, so the largest that fits goes in (2) and then nothing fits. p2 = 5.
     lengths = [2, 7, 5, 6, 2, 1]
     plan = plan_packs(lengths, 10, strategy="knapsack")
     assert pack_sizes(plan) == [[2, 7, 1], [6, 2], [5]]
@@ -245,7 +245,7 @@ def test_array_accessors_agree_with_packs():
     assert len(packs) == len(plan) == plan.pack_offsets.size - 1
     for i in (0, 17, len(plan) - 1, -1):
         examples, starts, stops = plan.pack_items(i)
-        assert list(zip(examples.tolist(), starts.tolist(), stops.tolist())) == packs[i]
+        assert list(zip(examples.tolist(), starts.tolist(), stops.tolist(), strict=True)) == packs[i]
         assert plan.pack_examples(i).tolist() == [item[0] for item in packs[i]]
         assert plan.pack_tokens[i] == sum(stop - start for _, start, stop in packs[i])
         assert plan.pack_num_documents[i] == len(packs[i])

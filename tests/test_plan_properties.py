@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from hybrid_pack import PackPlan, plan_packs
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES
 
-SETTINGS = settings(max_examples=300, deadline=None)
+SETTINGS = settings(max_examples=500, deadline=None)
 
 lengths_st = st.lists(st.integers(1, 120), max_size=80)
 capacity_st = st.integers(1, 100)
@@ -19,7 +21,7 @@ seed_st = st.none() | st.integers(0, 2**32)
 def pack_signature(plan: PackPlan) -> list[tuple[int, ...]]:
     """The multiset of packs, each as its sorted document lengths."""
     return sorted(tuple(sorted((plan.stop - plan.start)[a:b].tolist()))
-                  for a, b in zip(plan.pack_offsets[:-1], plan.pack_offsets[1:]))
+                  for a, b in itertools.pairwise(plan.pack_offsets.tolist()))
 
 
 def reference_first_fit(sizes: list[int], capacity: int, order: list[int]) -> list[list[int]]:
@@ -77,7 +79,7 @@ def test_every_kept_token_appears_exactly_once(lengths, capacity, strategy, over
             assert covered == []
             continue
         assert covered[0][0] == 0 and covered[-1][1] == expected
-        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "pieces tile the example, no overlap"
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(covered)), "pieces tile the example, no overlap"
         assert all(stop - start <= capacity for start, stop in covered)
         if overflow == "split":
             assert all(stop - start == capacity for start, stop in covered[:-1])

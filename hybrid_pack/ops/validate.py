@@ -17,6 +17,9 @@ def check_packed(name: str, x: torch.Tensor, boundaries: PackedBoundaries, ndim:
     if x.shape[0] != 1:
         raise ValueError(f"{name}: expected batch size 1 (packed rows are [1, T, ...]; pack the batch with "
                          f"PackingCollator); got shape {list(x.shape)}")
+    if x.device != boundaries.device:
+        raise ValueError(f"boundaries: on {boundaries.device} but {name} is on {x.device}; "
+                         f"move them with boundaries.to({name}.device)")
     if x.shape[1] != boundaries.total_tokens:
         raise ValueError(f"{name}: expected T = {boundaries.total_tokens} tokens (boundaries.total_tokens); "
                          f"got shape {list(x.shape)}")

@@ -7,6 +7,7 @@ examples builds no Python object per example; :meth:`PackPlan.packs` materialise
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import numpy as np
 
 from hybrid_pack.packing.strategies import ORDER_KEEPING, STRATEGIES, assign_bins, group_by_bin
 
-__all__ = ["PackPlan", "plan_packs", "OVERFLOW_POLICIES", "STRATEGIES"]
+__all__ = ["OVERFLOW_POLICIES", "STRATEGIES", "PackPlan", "plan_packs"]
 
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 """What to do with an example longer than ``capacity``, default first."""
@@ -117,8 +118,8 @@ class PackPlan:
     def packs(self) -> list[list[tuple[int, int, int]]]:
         """Every pack as a list of ``(example_index, start, stop)`` Python tuples (builds M tuples)."""
         examples, starts, stops = self.example_index.tolist(), self.start.tolist(), self.stop.tolist()
-        bounds = self.pack_offsets.tolist()
-        return [list(zip(examples[a:b], starts[a:b], stops[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [list(zip(examples[a:b], starts[a:b], stops[a:b], strict=True))
+                for a, b in itertools.pairwise(self.pack_offsets.tolist())]
 
     def __repr__(self) -> str:
         return (f"PackPlan(packs={len(self)}, documents={self.num_documents}, examples={self.num_examples}, "
@@ -189,8 +190,9 @@ def plan_packs(
         capacity: tokens per pack, >= 1.
         strategy: ``"bfd"`` (best-fit decreasing), ``"ffd"`` (first-fit decreasing),
             ``"first_fit"`` (input order kept as far as possible), ``"next_fit"`` (input order,
-            one open pack) or ``"knapsack"`` (fill one pack at a time with the largest remaining
-            example that fits). See ``docs/packing.md``.
+            one open pack) or ``"knapsack"`` (one pack at a time: the longest remaining document,
+            then the longest that fits, or up to three that fill the pack exactly; the fewest
+            packs). See ``docs/packing.md``.
         overflow: for an example longer than ``capacity``: ``"error"`` (raise), ``"truncate"`` (keep
             its first ``capacity`` tokens), ``"split"`` (cut it into pieces of ``capacity`` tokens,
             the last one shorter, each piece its own document) or ``"drop"``.
@@ -230,15 +232,15 @@ def plan_packs(
     pack_rank = (np.arange(num_packs, dtype=np.int64) if rng is None
                  else rng.permutation(num_packs).astype(np.int64))
     items, pack_offsets = group_by_bin(bin_of_item, pack_rank)
+    example_index, start, stop = example_index[items], start[items], stop[items]
 
-    item_sizes = sizes[items]
     token_offsets = np.zeros(num_documents + 1, np.int64)
-    np.cumsum(item_sizes, out=token_offsets[1:])
+    np.cumsum(stop - start, out=token_offsets[1:])
     num_over = int((lengths > capacity).sum())
     return PackPlan(
-        example_index=example_index[items],
-        start=start[items],
-        stop=stop[items],
+        example_index=example_index,
+        start=start,
+        stop=stop,
         pack_offsets=pack_offsets,
         pack_tokens=np.diff(token_offsets[pack_offsets]),
         capacity=capacity,

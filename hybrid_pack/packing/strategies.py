@@ -1,10 +1,12 @@
 """Bin-packing kernels: put items of integer size into bins of a fixed capacity.
 
-Every kernel takes ``sizes`` (int64 ``[M]``, each in ``1..capacity``), ``order`` (int64 ``[M]``, a
-permutation of ``range(M)``: the order in which items are considered, or in which equal sizes are
-taken) and ``capacity``, and returns ``(bin_of_item, num_bins)``: int64 ``[M]`` bin ids numbered in
-the order the bins were opened, and their count. The kernels are compiled with numba and allocate
-nothing per item, so millions of items take well under a second.
+:func:`assign_bins` runs one strategy on ``sizes`` (int64 ``[M]``, each in ``1..capacity``) and
+``order`` (int64 ``[M]``, a permutation of ``range(M)``: the order items are considered in, or in
+which equal sizes are taken) and returns ``(bin_of_item, num_bins)``: int64 ``[M]`` bin ids
+numbered in the order the bins were opened, and their count. The online kernels (best fit, first
+fit, next fit) read the sizes in the order they consider them, so the decreasing strategies first
+sort the items with a counting sort. Everything is compiled with numba and works on flat arrays:
+no Python object per item, millions of items in well under a second.
 
 Strategies (``M`` items, capacity ``C``):
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["STRATEGIES", "ORDER_KEEPING", "assign_bins", "group_by_bin"]
+__all__ = ["ORDER_KEEPING", "STRATEGIES", "assign_bins", "group_by_bin"]
 
 STRATEGIES = ("bfd", "ffd", "first_fit", "next_fit", "knapsack")
 """Valid strategy names, default first."""
@@ -107,23 +109,23 @@ def _sort_descending(sizes: np.ndarray, order: np.ndarray, capacity: int) -> np.
 
 
 @njit(cache=True)
-def _best_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Each item (in ``order``) goes to the open bin with the least free space that still holds it.
+def _best_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Each item, in the order given, goes to the open bin with the least free space that still holds it.
 
     Open bins are bucketed by free space ``r``: ``head[r]`` / ``tail[r]`` / ``next_bin`` form a queue
     of the bins with exactly ``r`` free (ties go to the bin that reached ``r`` first), and a presence
     tree over ``r`` finds the smallest ``r >= size`` in O(log C). Full bins leave the structure.
     """
-    num_items = order.shape[0]
-    bin_of_item = np.empty(num_items, np.int64)
+    num_items = sizes.shape[0]
+    bins = np.empty(num_items, np.int64)
     leaves = _tree_leaves(capacity + 1)
     has_bin = np.zeros(2 * leaves, np.bool_)
     head = np.full(capacity + 1, -1, np.int64)
     tail = np.full(capacity + 1, -1, np.int64)
     next_bin = np.empty(num_items, np.int64)
     num_bins = 0
-    for i in order:
-        size = sizes[i]
+    for k in range(num_items):
+        size = sizes[k]
         free = _first_present_at_or_above(has_bin, leaves, size)
         if free < 0:
             b = num_bins
@@ -134,7 +136,7 @@ def _best_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.n
             head[free] = next_bin[b]
             if head[free] < 0:
                 _set_presence(has_bin, leaves, free, False)
-        bin_of_item[i] = b
+        bins[k] = b
         free -= size
         if free > 0:
             next_bin[b] = -1
@@ -144,50 +146,50 @@ def _best_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.n
             else:
                 next_bin[tail[free]] = b
             tail[free] = b
-    return bin_of_item, num_bins
+    return bins, num_bins
 
 
 @njit(cache=True)
-def _first_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Each item (in ``order``) goes to the lowest-numbered bin with room for it.
+def _first_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Each item, in the order given, goes to the lowest-numbered bin with room for it.
 
     A max-tree holds the free space of bins ``0..M-1``; bins not opened yet read as ``capacity``, so
     the leftmost bin with room is either an open bin or the next one to open.
     """
-    num_items = order.shape[0]
-    bin_of_item = np.empty(num_items, np.int64)
+    num_items = sizes.shape[0]
+    bins = np.empty(num_items, np.int64)
     leaves = _tree_leaves(max(num_items, 1))
     free = np.full(2 * leaves, capacity, np.int64)
     num_bins = 0
-    for i in order:
-        size = sizes[i]
+    for k in range(num_items):
+        size = sizes[k]
         node = 1
         while node < leaves:
             node = 2 * node if free[2 * node] >= size else 2 * node + 1
         b = node - leaves
-        bin_of_item[i] = b
+        bins[k] = b
         num_bins = max(num_bins, b + 1)
         free[node] -= size
         node >>= 1
         while node >= 1:
             free[node] = max(free[2 * node], free[2 * node + 1])
             node >>= 1
-    return bin_of_item, num_bins
+    return bins, num_bins
 
 
 @njit(cache=True)
-def _next_fit(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Items (in ``order``) fill the current bin; one that does not fit closes it and opens the next."""
-    bin_of_item = np.empty(order.shape[0], np.int64)
+def _next_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Items, in the order given, fill the current bin; one that does not fit closes it and opens the next."""
+    bins = np.empty(sizes.shape[0], np.int64)
     b = -1
     free = 0
-    for i in order:
-        if sizes[i] > free:
+    for k in range(sizes.shape[0]):
+        if sizes[k] > free:
             b += 1
             free = capacity
-        bin_of_item[i] = b
-        free -= sizes[i]
-    return bin_of_item, b + 1
+        bins[k] = b
+        free -= sizes[k]
+    return bins, b + 1
 
 
 @njit(cache=True)
@@ -229,19 +231,20 @@ def _knapsack(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.n
     item that fits, unless at most three remaining items fill the bin exactly (then those, and the
     bin closes). A bin also closes when nothing fits.
 
-    Items are bucketed by size (each bucket in ``order``); a presence tree over sizes finds the
+    Items are bucketed by size (each bucket in ``order``, a slice of the items sorted by
+    decreasing size); a presence tree over sizes finds the
     largest non-empty bucket ``<= free`` in O(log C); the exact-fill search costs at most
     O(C) probes and runs only when three items could fill the bin.
     """
     num_items = order.shape[0]
-    bin_of_item = np.empty(num_items, np.int64)
     by_size = _sort_descending(sizes, order, capacity)
-    next_of_size = np.zeros(capacity + 1, np.int64)
+    bin_at = np.empty(num_items, np.int64)
     counts = np.zeros(capacity + 1, np.int64)
-    for pos in range(num_items - 1, -1, -1):
-        size = sizes[by_size[pos]]
-        next_of_size[size] = pos
+    for size in sizes:
         counts[size] += 1
+    next_of_size = np.zeros(capacity + 1, np.int64)
+    for size in range(capacity - 1, 0, -1):
+        next_of_size[size] = next_of_size[size + 1] + counts[size + 1]
     leaves = _tree_leaves(capacity + 1)
     has_item = np.zeros(2 * leaves, np.bool_)
     for size in range(1, capacity + 1):
@@ -264,33 +267,19 @@ def _knapsack(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.n
             for size in (first, second, third):
                 if size == 0:
                     continue
-                bin_of_item[by_size[next_of_size[size]]] = b
+                bin_at[next_of_size[size]] = b
                 next_of_size[size] += 1
                 counts[size] -= 1
                 if counts[size] == 0:
                     _set_presence(has_item, leaves, size, False)
                 free -= size
                 placed += 1
+    bin_of_item = np.empty(num_items, np.int64)
+    bin_of_item[by_size] = bin_at
     return bin_of_item, b + 1
 
 
-@njit(cache=True)
-def _best_fit_decreasing(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    return _best_fit(sizes, _sort_descending(sizes, order, capacity), capacity)
-
-
-@njit(cache=True)
-def _first_fit_decreasing(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    return _first_fit(sizes, _sort_descending(sizes, order, capacity), capacity)
-
-
-_KERNELS = {
-    "bfd": _best_fit_decreasing,
-    "ffd": _first_fit_decreasing,
-    "first_fit": _first_fit,
-    "next_fit": _next_fit,
-    "knapsack": _knapsack,
-}
+_ONLINE_KERNELS = {"bfd": _best_fit, "ffd": _first_fit, "first_fit": _first_fit, "next_fit": _next_fit}
 
 
 def assign_bins(sizes: np.ndarray, capacity: int, strategy: str, order: np.ndarray) -> tuple[np.ndarray, int]:
@@ -306,7 +295,13 @@ def assign_bins(sizes: np.ndarray, capacity: int, strategy: str, order: np.ndarr
     Returns:
         ``bin_of_item`` int64 ``[M]`` (bins numbered in opening order) and the number of bins.
     """
-    bin_of_item, num_bins = _KERNELS[strategy](sizes, order, capacity)
+    if strategy == "knapsack":
+        bin_of_item, num_bins = _knapsack(sizes, order, capacity)
+        return bin_of_item, int(num_bins)
+    considered = order if strategy in ORDER_KEEPING else _sort_descending(sizes, order, capacity)
+    bins, num_bins = _ONLINE_KERNELS[strategy](sizes[considered], capacity)
+    bin_of_item = np.empty_like(bins)
+    bin_of_item[considered] = bins
     return bin_of_item, int(num_bins)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,58 +72,91 @@ def _max_abs(x: torch.Tensor) -> float:
 
 
 def _first_tensor(value: Any, t_len: int) -> torch.Tensor | None:
+    """The first tensor of a module's output that is per token, as ``[1, T, ...]``.
+
+    Token-major ``[1, T, ...]`` is taken as is; channels-first ``[1, C, L]`` (``nn.Conv1d``), whose
+    first ``T`` of ``L >= T`` steps are the tokens (a causal conv's output before its tail is cut),
+    is moved to token-major.
+    """
     items = value if isinstance(value, (tuple, list)) else (value,)
     for item in items:
-        if isinstance(item, torch.Tensor) and item.dim() >= 2 and item.shape[0] == 1 and item.shape[1] == t_len:
+        if not isinstance(item, torch.Tensor) or item.dim() < 2 or item.shape[0] != 1:
+            continue
+        if item.shape[1] == t_len:
             return item
+        if item.dim() == 3 and t_len <= item.shape[2] < t_len + 16:
+            return item[:, :, :t_len].transpose(1, 2)
     return None
 
 
+@dataclass
+class _Call:
+    """One submodule call: its per-token inputs and output, as float64 ``[1, T, ...]`` copies."""
+
+    name: str
+    inputs: list[torch.Tensor]
+    output: torch.Tensor
+
+
+def _per_token(values: Any, t_len: int) -> list[torch.Tensor]:
+    found = (_first_tensor(v, t_len) for v in values)
+    return [t.detach().double().clone() for t in found if t is not None]
+
+
 @contextlib.contextmanager
-def _record_outputs(model: torch.nn.Module, t_len: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Record every submodule's ``[1, T, ...]`` output, in completion order (children before parents)."""
-    records: list[tuple[str, torch.Tensor]] = []
+def _record_calls(model: torch.nn.Module, t_len: int) -> Iterator[list[_Call]]:
+    """Record every submodule call with a per-token output, in completion order (children first)."""
+    calls: list[_Call] = []
     handles = []
     for name, module in model.named_modules():
         if not name:
             continue
 
-        def hook(mod: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
-            t = _first_tensor(output, t_len)
-            if t is not None:
-                records.append((name, t.detach().float().clone()))
+        def hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            out = _first_tensor(output, t_len)
+            if out is not None:
+                inputs = _per_token(list(args) + list(kwargs.values()), t_len)
+                calls.append(_Call(name, inputs, out.detach().double().clone()))
 
-        handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
-        yield records
+        yield calls
     finally:
         for h in handles:
             h.remove()
 
 
-def _first_forward_leak(base: list[tuple[str, torch.Tensor]], moved: list[tuple[str, torch.Tensor]],
-                        others: torch.Tensor, atol: float) -> str | None:
-    for (name, a), (name_b, b) in zip(base, moved):
-        if name != name_b or a.shape != b.shape:
-            return None
-        diff = _max_abs(a[0, others] - b[0, others])
-        if diff > atol * max(1.0, a.abs().max().item()):
-            return name
-    return None
+def _origin(first: list[_Call], second: list[_Call], pick_first: Any, pick_second: Any, atol: float) -> str | None:
+    """The first module whose output differs between two runs while none of its inputs does.
 
+    ``pick_first`` / ``pick_second`` select the compared tokens of a ``[1, T, ...]`` tensor of each run.
+    Differences are judged relative to each tensor's own magnitude (activations of small random models
+    are tiny, and a later norm can blow a small leak up). Falls back to the first module whose output
+    differs when every such module had a differing input.
+    """
 
-def _first_alone_mismatch(packed: list[tuple[str, torch.Tensor]], alone: list[tuple[str, torch.Tensor]],
-                          start: int, stop: int, atol: float) -> str | None:
-    """First module whose output on one document differs between the packed row and the lone run."""
-    for (name, a), (name_b, b) in zip(packed, alone):
-        if name != name_b:
-            return None
-        ref = a[0, start:stop]
-        if ref.shape != b[0].shape:
-            return None
-        if _max_abs(ref - b[0]) > atol * max(1.0, ref.abs().max().item()):
-            return name
-    return None
+    def differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+        x, y = pick_first(a), pick_second(b)
+        return x.shape != y.shape or _max_abs(x - y) > atol * max(_max_abs(x), _max_abs(y), 1e-30)
+
+    def keyed(calls: list[_Call]) -> dict[tuple[str, int], _Call]:
+        seen: dict[str, int] = {}
+        out = {}
+        for call in calls:
+            seen[call.name] = seen.get(call.name, -1) + 1
+            out[(call.name, seen[call.name])] = call
+        return out
+
+    others = keyed(second)
+    dirty = None
+    for key, a in keyed(first).items():
+        b = others.get(key)
+        if b is None or not differs(a.output, b.output):
+            continue
+        dirty = dirty or a.name
+        if len(a.inputs) == len(b.inputs) and not any(differs(x, y) for x, y in zip(a.inputs, b.inputs)):
+            return a.name
+    return dirty
 
 
 def _first_backward_leak(model: torch.nn.Module, loss_fn: Any, others: torch.Tensor, t_len: int) -> str | None:
@@ -167,7 +201,7 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
                           [DocumentResult(i, n) for i, n in enumerate(layout.lengths)])
     positions = torch.arange(t_len, device=device)
 
-    with torch.no_grad(), (_record_outputs(model, t_len) if per_layer else contextlib.nullcontext([])) as base_acts:
+    with torch.no_grad(), (_record_calls(model, t_len) if per_layer else contextlib.nullcontext([])) as base_calls:
         packed = _run(model, boundaries, ids=ids).float()
     scale = max(1.0, packed.abs().max().item()) if torch.isfinite(packed).all() else 1.0
     with torch.no_grad():
@@ -176,22 +210,27 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
             lone = PackedBoundaries.from_lengths([doc.length], device=device)
             alone = _run(model, lone, ids=ids[s:e]).float()
             doc.alone_diff = _max_abs(packed[s:e] - alone) / scale
-            if doc.alone_diff > atol and result.first_leaking_module is None and per_layer:
-                with _record_outputs(model, doc.length) as alone_acts:
-                    _run(model, lone, ids=ids[s:e])
-                result.first_leaking_module = _first_alone_mismatch(base_acts, alone_acts, s, e, atol)
-                result.leak_kind = "packed differs from alone"
     for doc in result.documents:
         s, e = starts[doc.index], starts[doc.index] + doc.length
         others = (positions < s) | (positions >= e)
         moved_ids = ids.clone()
         moved_ids[s:e] = (ids[s:e] + torch.randint(1, vocab_size, (e - s,), generator=generator).to(device)) % vocab_size
-        with torch.no_grad(), (_record_outputs(model, t_len) if per_layer else contextlib.nullcontext([])) as acts:
+        with torch.no_grad(), (_record_calls(model, t_len) if per_layer else contextlib.nullcontext([])) as calls:
             moved = _run(model, boundaries, ids=moved_ids).float()
         doc.perturbation_leak = _max_abs(moved[others] - packed[others]) / scale
         if doc.perturbation_leak > atol and result.first_leaking_module is None and per_layer:
-            result.first_leaking_module = _first_forward_leak(base_acts, acts, others, atol)
+            result.first_leaking_module = _origin(base_calls, calls, lambda t, m=others: t[0, m],
+                                                  lambda t, m=others: t[0, m], atol)
             result.leak_kind = "forward"
+
+    mismatched = [d for d in result.documents if not d.alone_diff <= atol]
+    if mismatched and result.first_leaking_module is None and per_layer:
+        doc = max(mismatched, key=lambda d: d.length)
+        s, e = starts[doc.index], starts[doc.index] + doc.length
+        with torch.no_grad(), _record_calls(model, doc.length) as alone_calls:
+            _run(model, PackedBoundaries.from_lengths([doc.length], device=device), ids=ids[s:e])
+        result.first_leaking_module = _origin(base_calls, alone_calls, lambda t: t[0, s:e], lambda t: t[0], atol)
+        result.leak_kind = "packed differs from alone"
 
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if grads and embed is not None:

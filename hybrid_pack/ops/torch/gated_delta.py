@@ -100,10 +100,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     gamma_last = gamma[..., -1:]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     pair_decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    a = bc.unsqueeze(-1) * (kc @ kc.mT) * pair_decay                                  # [M, H, G, C, C]
+    a = (bc.unsqueeze(-1) * (kc @ kc.mT) * pair_decay).tril(-1)                       # [M, H, G, C, C]
     rhs = torch.cat([bc.unsqueeze(-1) * vc, (bc * gamma.exp()).unsqueeze(-1) * kc], dim=-1)
-    # (I + A) X = R solved as X^T (I + A)^T = R^T (LAPACK is about twice as fast on this layout). With
-    # unitriangular=True the solve reads, and passes gradients to, only the strict lower triangle of `a`.
+    # (I + A) X = R solved as X^T (I + A)^T = R^T: LAPACK is about twice as fast on this layout.
     uw = torch.linalg.solve_triangular(a.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
     u, w = uw.split([v_dim, k_dim], dim=-1)                                           # [M, H, G, C, V | K]
     m = (qc @ kc.mT) * pair_decay                                                     # [M, H, G, C, C]
