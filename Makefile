@@ -32,6 +32,10 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/kernels
+	$(MAKE) --no-print-directory test-kernels
+
+# The real Triton kernels of flash-linear-attention and mamba-ssm, on CPU in Triton's interpreter.
+test-kernels: $(VENV)/.test
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests/kernels
 
 test-fast: $(VENV)/.test

@@ -1,19 +1,22 @@
 """PackingCollator vs transformers' DataCollatorWithFlattening on GSM8K-sized documents.
 
-    .venv/bin/python benchmarks/bench_collator.py           # batches of 2048 / 4096 / 8192 tokens
+    .venv/bin/python benchmarks/bench_collator.py           # batches of 4096 / 8192 tokens
 
 Documents take the real Qwen3 ChatML lengths of GSM8K train (bundled ``lengths`` table), filled
 with random token ids, labels with a masked prompt third, and the four RL keys
 (``response_mask``, ``tool_mask``, ``advantages``, ``old_logprobs``). Consecutive documents are
 grouped until the next one would overflow the batch size. Inputs come as Python lists (what a
-tokenized dataset yields) or as 1-D tensors. Transformers' collator is
-``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``; it handles
-only ``input_ids`` and ``labels``. Also times ways of turning lists of Python ints into one int64
-array, the step that bounds list inputs.
+tokenized dataset yields), 1-D tensors (``dataset.with_format("torch")``) or NumPy arrays
+(``with_format("numpy")``). Transformers' collator is
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``; it reads only
+``input_ids`` and ``labels``, so on "all keys" it is timed on the same input but drops the four
+RL keys.
 
 Throughput = tokens collated / time, best of ``--repeats`` passes over the batches, measured both
-as wall time and as process CPU time (steadier on a shared machine). Writes
-``benchmarks/results/collator.json`` and prints a markdown table for docs/benchmarks.md.
+as wall time and as process CPU time (steadier on a shared machine). For list inputs it also
+measures the Python-object floor: ns per token per key of the fastest ways to read the batches'
+lists (a bare ``sum``, ``struct.pack_into``, a ``bytes`` join, ``np.fromiter``, ``np.array``).
+Writes ``benchmarks/results/collator.json`` and prints markdown tables for docs/collator.md.
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_pack import PackingCollator  # noqa: E402
-from hybrid_pack.data import load_lengths  # noqa: E402
+from hybrid_pack import PackingCollator
+from hybrid_pack.data import load_lengths
 
 RESULTS = Path(__file__).resolve().parent / "results" / "collator.json"
 KEY_SETS = {
-    "input_ids": ("input_ids",),
     "input_ids+labels": ("input_ids", "labels"),
     "all keys": ("input_ids", "labels", "response_mask", "tool_mask", "advantages", "old_logprobs"),
+}
+CONVERTERS: dict[str, Callable[[list[Any]], Any]] = {
+    "lists": lambda values: values,
+    "tensors": torch.tensor,
+    "arrays": np.asarray,
 }
 
 
@@ -70,8 +77,9 @@ def make_batches(capacity: int, num_batches: int, rng: np.random.Generator) -> l
     raise AssertionError("unreachable: itertools.cycle never ends")
 
 
-def select(batches: list[list[dict[str, Any]]], keys: tuple[str, ...], as_tensors: bool) -> list[list[dict[str, Any]]]:
-    convert = torch.tensor if as_tensors else (lambda value: value)
+def select(batches: list[list[dict[str, Any]]], keys: tuple[str, ...], kind: str) -> list[list[dict[str, Any]]]:
+    """The batches with only ``keys``, each value given as ``kind`` (lists, tensors or arrays)."""
+    convert = CONVERTERS[kind]
     return [[{key: convert(doc[key]) for key in keys} for doc in batch] for batch in batches]
 
 
@@ -90,40 +98,53 @@ def throughput(collate: Callable[[list[dict[str, Any]]], Any], batches: list[lis
             "us_per_batch": best_wall / len(batches) * 1e6}
 
 
-def conversions(batch: list[dict[str, Any]], repeats: int) -> dict[str, float]:
-    """Million tokens / s (CPU) of ways to turn the batch's ``input_ids`` lists into one int64 array."""
-    lists = [doc["input_ids"] for doc in batch]
-    total = sum(map(len, lists))
+def list_floor(batches: list[list[dict[str, Any]]], repeats: int) -> dict[str, dict[str, float | None]]:
+    """ns per token, per key, of reading every batch's Python lists: best of ``repeats`` passes (CPU time).
 
-    def pack_into() -> np.ndarray:
-        out, offset = np.empty(total, np.int64), 0
+    ``sum`` is the least any reader pays (one visit per object); the others produce an array
+    (None: the ``bytes`` join does not apply, values outside 0..255).
+    """
+    def pack_into(lists: list[list[Any]], code: str) -> None:
+        out, offset = np.empty(sum(map(len, lists)), np.int64 if code == "q" else np.float32), 0
         for values in lists:
-            struct.pack_into(f"{len(values)}q", out, offset * 8, *values)
+            struct.pack_into(f"{len(values)}{code}", out, offset * out.itemsize, *values)
             offset += len(values)
-        return out
 
-    methods = {
-        "struct.pack_into per document (used)": pack_into,
-        "np.fromiter(chain, count=T)": lambda: np.fromiter(itertools.chain.from_iterable(lists), np.int64, total),
-        "np.array(list(chain))": lambda: np.array(list(itertools.chain.from_iterable(lists)), np.int64),
-        "np.concatenate(np.array per document)": lambda: np.concatenate([np.array(v, np.int64) for v in lists]),
-        "torch.tensor(list(chain))": lambda: torch.tensor(list(itertools.chain.from_iterable(lists))),
+    def bytes_join(lists: list[list[Any]], code: str) -> None:
+        np.frombuffer(b"".join(map(bytes, lists)), np.uint8).astype(np.int64)
+
+    methods: dict[str, Callable[[list[list[Any]], str], Any]] = {
+        "sum (read only)": lambda lists, code: [sum(values) for values in lists],
+        "struct.pack_into": pack_into,
+        "bytes join (0..255 only)": bytes_join,
+        "np.fromiter(chain)": lambda lists, code: np.fromiter(itertools.chain.from_iterable(lists),
+                                                              np.int64 if code == "q" else np.float32),
+        "np.array(list(chain))": lambda lists, code: np.array(list(itertools.chain.from_iterable(lists)),
+                                                             np.int64 if code == "q" else np.float32),
     }
-    results = {}
-    for name, method in methods.items():
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.process_time()
-            for _ in range(20):
-                method()
-            best = min(best, (time.process_time() - start) / 20)
-        results[name] = total / best / 1e6
+    tokens = sum(len(doc["input_ids"]) for batch in batches for doc in batch)
+    results: dict[str, dict[str, float | None]] = {}
+    for key in KEY_SETS["all keys"]:
+        columns = [[doc[key] for doc in batch] for batch in batches]
+        code = "f" if isinstance(columns[0][0][0], float) else "q"
+        results[key] = {}
+        for name, method in methods.items():
+            if name.startswith("bytes") and not all(0 <= v < 256 for c in columns for v in itertools.chain(*c)):
+                results[key][name] = None
+                continue
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.process_time()
+                for lists in columns:
+                    method(lists, code)
+                best = min(best, time.process_time() - start)
+            results[key][name] = best / tokens * 1e9
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--capacities", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--capacities", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--batches", type=int, default=32, help="batches per pass")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
@@ -135,24 +156,20 @@ def main() -> None:
     ours = PackingCollator()
     theirs = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     rng = np.random.default_rng(args.seed)
-    rows = []
+    rows, floor = [], {}
     for capacity in args.capacities:
         batches = make_batches(capacity, args.batches, rng)
         docs_per_batch = float(np.mean([len(batch) for batch in batches]))
-        for as_tensors in (False, True):
+        for kind in CONVERTERS:
             for key_set, keys in KEY_SETS.items():
-                inputs = select(batches, keys, as_tensors)
-                row = {"capacity": capacity, "docs_per_batch": docs_per_batch,
-                       "input": "tensors" if as_tensors else "lists", "keys": key_set,
-                       "hybrid_pack": throughput(ours, inputs, args.repeats)}
-                if key_set != "all keys":
-                    row["transformers"] = throughput(theirs, inputs, max(2, args.repeats // 3))
+                inputs = select(batches, keys, kind)
+                row = {"capacity": capacity, "docs_per_batch": docs_per_batch, "input": kind, "keys": key_set,
+                       "hybrid_pack": throughput(ours, inputs, args.repeats),
+                       "transformers": throughput(theirs, inputs, max(2, args.repeats // 3))}
                 rows.append(row)
-                print(f"T<={capacity} {row['input']:<7} {key_set:<17} "
-                      f"hybrid_pack {row['hybrid_pack']['cpu_mtok_s']:6.1f} Mtok/s (CPU)"
-                      + (f"  transformers {row['transformers']['cpu_mtok_s']:5.1f}" if "transformers" in row else ""),
-                      file=sys.stderr)
-    convert = conversions(make_batches(4096, 1, rng)[0], args.repeats)
+                print(f"T<={capacity} {kind:<7} {key_set:<17} hybrid_pack {row['hybrid_pack']['cpu_mtok_s']:6.1f} "
+                      f"Mtok/s (CPU)  transformers {row['transformers']['cpu_mtok_s']:5.1f}", file=sys.stderr)
+        floor[capacity] = list_floor(batches, args.repeats)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -160,21 +177,26 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "numpy": np.__version__, "cpus": os.cpu_count(),
                     "load_average_1min": os.getloadavg()[0]},
-        "units": "million tokens per second; best of repeats", "rows": rows, "list_to_int64_conversions": convert,
+        "units": "million tokens per second (rows), ns per token (list_floor_ns_per_token); best of repeats",
+        "rows": rows, "list_floor_ns_per_token": floor,
     }, indent=2) + "\n")
 
     print("| batch tokens | docs/batch | input | keys | hybrid_pack Mtok/s (CPU / wall) "
           "| transformers Mtok/s (CPU / wall) | speed-up (CPU) |")
     print("|---:|---:|---|---|---:|---:|---:|")
     for row in rows:
-        ours_row, theirs_row = row["hybrid_pack"], row.get("transformers")
-        theirs_cell = f"{theirs_row['cpu_mtok_s']:.1f} / {theirs_row['wall_mtok_s']:.1f}" if theirs_row else "n/a"
-        speedup = f"{ours_row['cpu_mtok_s'] / theirs_row['cpu_mtok_s']:.1f}x" if theirs_row else ""
+        ours_row, theirs_row = row["hybrid_pack"], row["transformers"]
         print(f"| {row['capacity']} | {row['docs_per_batch']:.1f} | {row['input']} | {row['keys']} "
-              f"| {ours_row['cpu_mtok_s']:.1f} / {ours_row['wall_mtok_s']:.1f} | {theirs_cell} | {speedup} |")
-    print("\n| list -> int64 conversion (4096-token batch) | Mtok/s (CPU) |\n|---|---:|")
-    for name, rate in convert.items():
-        print(f"| {name} | {rate:.1f} |")
+              f"| {ours_row['cpu_mtok_s']:.1f} / {ours_row['wall_mtok_s']:.1f} "
+              f"| {theirs_row['cpu_mtok_s']:.1f} / {theirs_row['wall_mtok_s']:.1f} "
+              f"| {ours_row['cpu_mtok_s'] / theirs_row['cpu_mtok_s']:.1f}x |")
+    for capacity, per_key in floor.items():
+        names = list(next(iter(per_key.values())))
+        print(f"\n| {capacity}-token list batches, ns/token | " + " | ".join(names) + " |")
+        print("|---|" + "---:|" * len(names))
+        for key, methods in per_key.items():
+            print(f"| {key} | " + " | ".join("n/a" if methods[n] is None else f"{methods[n]:.1f}" for n in names)
+                  + " |")
     print(f"\nwrote {args.out}", file=sys.stderr)
 
 

@@ -2,23 +2,28 @@
 
 The output holds the keys Hugging Face models take for padding-free training (``input_ids``,
 ``labels``, restarting ``position_ids``, ``seq_idx``, ``cu_seq_lens_q/k``, ``max_length_q/k``),
-so ``model(**collator(features))`` works. Each per-token key is built with one allocation and no
-per-token Python: 1-D tensors are joined by a single ``torch.cat``; Python lists are written
-straight into the output buffer with :func:`struct.pack_into`, the fastest conversion of Python
-ints / floats measured (``benchmarks/bench_collator.py``). Boundaries come from
-:meth:`PackedBoundaries.from_lengths`.
+so ``model(**collator(features))`` works. The cost is a few calls per key and per batch, plus the
+copy itself; nothing loops over tokens in Python:
+
+- tensors: one ``torch.cat`` per key; NumPy arrays: one ``np.concatenate`` into the output buffer;
+- Python lists: :func:`struct.pack_into` per document into the output buffer, or one ``bytes``
+  join when every value fits a byte (masks), the fastest readers of Python ints and floats
+  measured (``benchmarks/bench_collator.py``);
+- checks run once per key over all documents (one comprehension each), not per document;
+- the boundaries are one compiled (numba) pass, the values :meth:`PackedBoundaries.from_lengths`
+  gives.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
-
-from hybrid_pack.boundaries import PackedBoundaries
+from numba import njit
 
 __all__ = ["FLOAT_TOKEN_KEYS", "IGNORE_INDEX", "PackingCollator"]
 
@@ -30,6 +35,10 @@ FLOAT_TOKEN_KEYS = frozenset({"advantages", "old_logprobs"})
 
 _BUILT_KEYS = frozenset({"input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k",
                          "max_length_q", "max_length_k", "num_pad_tokens"})
+
+_LIST_TYPES = frozenset({list, tuple})
+_MAX_TOKENS = np.iinfo(np.int32).max
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
 Feature = Mapping[str, Any]
 
@@ -99,44 +108,52 @@ class PackingCollator:
 
     def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]]) -> dict[str, Any]:
         docs = _flatten(features)
-        if not all("input_ids" in doc for doc in docs):
+        try:
+            ids = [doc["input_ids"] for doc in docs]
+        except KeyError:
             index = next(i for i, doc in enumerate(docs) if "input_ids" not in doc)
             raise ValueError(f"features[{index}]: expected an 'input_ids' key (tokenize the examples first, "
-                             f"e.g. with hybrid_pack.data.tokenize_chats)")
-        ids = [doc["input_ids"] for doc in docs]
-        lengths = _token_counts("input_ids", ids)
+                             f"e.g. with hybrid_pack.data.tokenize_chats)") from None
+        ids_kind = _kind(ids)
+        lengths = _token_counts("input_ids", ids, ids_kind)
         if 0 in lengths:
             raise ValueError(f"features[{lengths.index(0)}].input_ids: expected at least one token; got an empty "
                              f"document (drop empty examples before collating)")
         num_real = sum(lengths)
         num_pad = self._num_pad_tokens(num_real)
-        total = num_real + num_pad
-        boundaries = PackedBoundaries.from_lengths(lengths + [num_pad] if num_pad else lengths,
-                                                   num_pad_tokens=num_pad)
+        layout = _Layout(lengths, num_real, num_real + num_pad)
+        if layout.total > _MAX_TOKENS:
+            raise ValueError(f"features: expected fewer than 2**31 tokens per batch (cu_seq_lens is int32); got "
+                             f"{layout.total} (split the batch)")
+        segment_lengths = lengths + [num_pad] if num_pad else lengths
+        cu_seqlens, seq_idx, position_ids = _boundary_arrays(segment_lengths, layout.total)
 
-        input_ids = _concat("input_ids", ids, lengths, total, self.pad_token_id, torch.int64)
-        if _in_every(docs, "labels"):
-            labels = _concat("labels", _column(docs, "labels", lengths), lengths, total, self.separator_id,
-                             torch.int64)
-        else:
+        input_ids = _concat("input_ids", ids, ids_kind, layout, self.pad_token_id, torch.int64)
+        column = _column(docs, "labels", layout)
+        if column is None:
             labels = input_ids.clone()
-            labels[num_real:] = self.separator_id
-        labels.numpy()[boundaries.cu_seqlens.numpy()[:len(lengths)]] = self.separator_id
+            labels.numpy()[0, num_real:] = self.separator_id
+        else:
+            labels = _concat("labels", *column, layout, self.separator_id, torch.int64)
+        labels.numpy()[0, cu_seqlens[:len(lengths)]] = self.separator_id
 
+        cu_seq_lens = torch.from_numpy(cu_seqlens)
+        max_length = max(segment_lengths)
         batch: dict[str, Any] = {
-            "input_ids": input_ids.view(1, total),
-            "labels": labels.view(1, total),
-            "position_ids": boundaries.position_ids,
-            "seq_idx": boundaries.seq_idx,
-            "cu_seq_lens_q": boundaries.cu_seqlens,
-            "cu_seq_lens_k": boundaries.cu_seqlens,
-            "max_length_q": boundaries.max_seqlen,
-            "max_length_k": boundaries.max_seqlen,
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": torch.from_numpy(position_ids),
+            "seq_idx": torch.from_numpy(seq_idx),
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max_length,
+            "max_length_k": max_length,
         }
         for key in self.extra_token_keys:
-            if _in_every(docs, key):
-                values = _column(docs, key, lengths)
-                batch[key] = _concat(key, values, lengths, total, 0, _extra_dtype(key, values[0])).view(1, total)
+            column = _column(docs, key, layout)
+            if column is not None:
+                values, kind = column
+                batch[key] = _concat(key, values, kind, layout, 0, _extra_dtype(key, values[0]))
         if num_pad:
             batch["num_pad_tokens"] = num_pad
         return batch
@@ -173,10 +190,11 @@ def _flatten(features: Any) -> list[Feature]:
     if len(features) == 0:
         raise ValueError("features: expected at least one example; got an empty list")
     if _is_mapping(features[0]):
-        for i, doc in enumerate(features):
-            if not _is_mapping(doc):
-                raise ValueError(f"features[{i}]: expected a dict like features[0]; got {type(doc).__name__} "
-                                 f"(pass a list of examples or a list of packs, not a mix)")
+        if {type(doc) for doc in features} != {dict}:
+            for i, doc in enumerate(features):
+                if not _is_mapping(doc):
+                    raise ValueError(f"features[{i}]: expected a dict like features[0]; got {type(doc).__name__} "
+                                     f"(pass a list of examples or a list of packs, not a mix)")
         return list(features)
     docs: list[Feature] = []
     for i, pack in enumerate(features):
@@ -192,46 +210,80 @@ def _flatten(features: Any) -> list[Feature]:
     return docs
 
 
-def _token_counts(key: str, values: list[Any]) -> list[int]:
+class _Layout:
+    """Where documents go in the packed row: ``lengths`` tokens each, ``num_real`` in all, ``total``
+    with padding; ``shapes`` are the 1-D shapes every per-token key must have."""
+
+    __slots__ = ("lengths", "num_real", "shapes", "total")
+
+    def __init__(self, lengths: list[int], num_real: int, total: int) -> None:
+        self.lengths = lengths
+        self.num_real = num_real
+        self.total = total
+        self.shapes = [(n,) for n in lengths]
+
+
+_Kind = Literal["lists", "tensors", "arrays", "mixed"]
+
+
+def _kind(values: list[Any]) -> _Kind:
+    """How a key's values are given: all lists / tuples, all tensors, all arrays, or anything else."""
+    types = {type(value) for value in values}
+    if types <= _LIST_TYPES:
+        return "lists"
+    if types == {torch.Tensor}:
+        return "tensors"
+    if types == {np.ndarray}:
+        return "arrays"
+    return "mixed"
+
+
+def _token_counts(key: str, values: list[Any], kind: _Kind) -> list[int]:
     """Length of every document's ``key`` values, checking that each is one flat (1-D) sequence."""
-    counts = []
+    if kind == "lists":
+        if not any(value and isinstance(value[0], (list, tuple)) for value in values):
+            return [len(value) for value in values]
+    elif kind == "tensors" or kind == "arrays":
+        shapes = [value.shape for value in values]
+        if all(len(shape) == 1 for shape in shapes):
+            return [shape[0] for shape in shapes]
+    else:
+        for i, value in enumerate(values):
+            if not isinstance(value, (list, tuple, torch.Tensor, np.ndarray)):
+                raise ValueError(f"features[{i}].{key}: expected a list or a 1-D tensor / array; "
+                                 f"got {type(value).__name__}")
     for i, value in enumerate(values):
-        if isinstance(value, (list, tuple)):  # first: the common case, and isinstance on tensors costs more
+        if isinstance(value, (list, tuple)):
             if value and isinstance(value[0], (list, tuple)):
                 raise ValueError(f"features[{i}].{key}: expected a flat list (one document); got a nested list "
                                  f"(split its rows into separate examples)")
-            counts.append(len(value))
-        elif isinstance(value, (torch.Tensor, np.ndarray)):
-            if value.ndim != 1:
-                raise ValueError(f"features[{i}].{key}: expected a 1-D sequence (one document); got shape "
-                                 f"{list(value.shape)} (flatten it, or split its rows into separate examples)")
-            counts.append(value.shape[0])
-        else:
-            raise ValueError(f"features[{i}].{key}: expected a list or a 1-D tensor / array; "
-                             f"got {type(value).__name__}")
-    return counts
+        elif value.ndim != 1:
+            raise ValueError(f"features[{i}].{key}: expected a 1-D sequence (one document); got shape "
+                             f"{list(value.shape)} (flatten it, or split its rows into separate examples)")
+    return [len(value) for value in values]
 
 
-def _in_every(docs: list[Feature], key: str) -> bool:
-    """Whether every document carries ``key`` (False when none does; some but not all raises)."""
-    present = [key in doc for doc in docs]
-    if all(present):
-        return True
-    if any(present):
-        raise ValueError(f"features[{present.index(False)}].{key}: missing, while features[{present.index(True)}] "
-                         f"has it (give '{key}' to every example or to none)")
-    return False
-
-
-def _column(docs: list[Feature], key: str, lengths: list[int]) -> list[Any]:
-    """``doc[key]`` of every document, checked to hold one value per ``input_ids`` token."""
-    values = [doc[key] for doc in docs]
-    counts = _token_counts(key, values)
-    if counts != lengths:
-        i = next(i for i, (got, want) in enumerate(zip(counts, lengths)) if got != want)
-        raise ValueError(f"features[{i}].{key}: expected {lengths[i]} values (one per input_ids token); "
+def _column(docs: list[Feature], key: str, layout: _Layout) -> tuple[list[Any], _Kind] | None:
+    """``doc[key]`` of every document and how they are given, checked to hold one value per
+    ``input_ids`` token; None when no document has ``key`` (some but not all raises)."""
+    try:
+        values = [doc[key] for doc in docs]
+    except KeyError:
+        present = [key in doc for doc in docs]
+        if any(present):
+            raise ValueError(f"features[{present.index(False)}].{key}: missing, while "
+                             f"features[{present.index(True)}] has it (give '{key}' to every example or to none)"
+                             ) from None
+        return None
+    kind = _kind(values)
+    if kind in ("tensors", "arrays") and [value.shape for value in values] == layout.shapes:
+        return values, kind
+    counts = _token_counts(key, values, kind)
+    if counts != layout.lengths:
+        i = next(i for i, (got, want) in enumerate(zip(counts, layout.lengths)) if got != want)
+        raise ValueError(f"features[{i}].{key}: expected {layout.lengths[i]} values (one per input_ids token); "
                          f"got {counts[i]}")
-    return values
+    return values, kind
 
 
 def _extra_dtype(key: str, first: Any) -> torch.dtype:
@@ -247,42 +299,112 @@ def _extra_dtype(key: str, first: Any) -> torch.dtype:
     return torch.float32 if floating else torch.int64
 
 
-def _concat(key: str, values: list[Any], lengths: list[int], total: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` end to end in a new CPU ``dtype`` tensor ``[total]``, ``fill`` after the last value.
+def _boundary_arrays(segment_lengths: list[int], total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``cu_seqlens`` int32 ``[S + 1]``, ``seq_idx`` int32 ``[1, T]`` and restarting ``position_ids``
+    int64 ``[1, T]`` of consecutive segments with these (positive) lengths summing to ``total``."""
+    return _fill_boundaries(np.array(segment_lengths, dtype=np.int64), total)
 
-    All tensors: one ``torch.cat``. Otherwise lists go through :func:`struct.pack_into` (which also
-    rejects floats in an integer key) and tensors / arrays are copied, document by document.
+
+@njit(cache=True)
+def _fill_boundaries(lengths: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One compiled pass, half the time of the equivalent NumPy cumsum / repeat calls (their call overhead)."""
+    cu_seqlens = np.empty(lengths.size + 1, dtype=np.int32)
+    seq_idx = np.empty((1, total), dtype=np.int32)
+    position_ids = np.empty((1, total), dtype=np.int64)
+    cu_seqlens[0] = 0
+    token = 0
+    for segment in range(lengths.size):
+        for position in range(lengths[segment]):
+            seq_idx[0, token] = segment
+            position_ids[0, token] = position
+            token += 1
+        cu_seqlens[segment + 1] = token
+    return cu_seqlens, seq_idx, position_ids
+
+
+def _concat(key: str, values: list[Any], kind: _Kind, layout: _Layout, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` end to end in a new CPU ``dtype`` tensor ``[1, layout.total]``, ``fill`` on the padding."""
+    if kind == "tensors":
+        return _cat_tensors(key, values, layout, fill, dtype)
+    out = np.empty((1, layout.total), dtype=_NUMPY_DTYPES[dtype])
+    row = out[0]
+    row[layout.num_real:] = fill
+    if kind == "arrays":
+        _cat_arrays(key, values, row[:layout.num_real])
+    elif kind == "lists":
+        _pack_lists(key, values, row)
+    else:
+        offset = 0
+        for i, (value, n) in enumerate(zip(values, layout.lengths)):
+            part = row[offset:offset + n]
+            if isinstance(value, (list, tuple)):
+                _pack_lists(key, [value], part, first_index=i)
+            else:
+                array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+                _cat_arrays(key, [array], part, first_index=i)
+            offset += n
+    return torch.from_numpy(out)
+
+
+def _cat_tensors(key: str, values: list[torch.Tensor], layout: _Layout, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    """1-D tensors end to end, then ``fill`` up to ``layout.total``, as a new CPU ``dtype`` tensor ``[1, total]``.
+
+    ``torch.cat`` promotes mixed dtypes; a dtype that does not cast to ``dtype`` without loss
+    (floats into int64) is refused.
     """
-    num_real = sum(lengths)
-    if all(isinstance(value, torch.Tensor) for value in values):
-        lossy = {have for have in {v.dtype for v in values} if not torch.can_cast(have, dtype)}
-        if lossy:
-            bad = next(i for i, v in enumerate(values) if v.dtype in lossy)
-            raise ValueError(f"features[{bad}].{key}: expected values that cast to {dtype} without loss; got "
-                             f"dtype {values[bad].dtype} (cast it first, e.g. .long() for token ids)")
-        padding = [torch.full((total - num_real,), fill, dtype=dtype)] if total > num_real else []
+    if layout.total > layout.num_real:
+        values = values + [torch.full((layout.total - layout.num_real,), fill, dtype=dtype)]
+    try:
+        joined = torch.cat(values)
+    except RuntimeError as err:
+        raise ValueError(f"features.{key}: could not concatenate the tensors ({err}); pass CPU tensors") from None
+    if joined.requires_grad:
+        joined = joined.detach()
+    if joined.dtype != dtype or not joined.is_cpu:
+        if not torch.can_cast(joined.dtype, dtype):  # the promoted dtype is lossy only if an input's is
+            i = next(i for i, value in enumerate(values) if not torch.can_cast(value.dtype, dtype))
+            raise ValueError(f"features[{i}].{key}: expected values that cast to {dtype} without loss; got "
+                             f"dtype {values[i].dtype} (cast it first, e.g. .long() for token ids)")
+        joined = joined.to("cpu", dtype)
+    return joined[None]
+
+
+def _cat_arrays(key: str, values: list[np.ndarray], out: np.ndarray, *, first_index: int = 0) -> None:
+    """Copy 1-D arrays end to end into ``out``; refuse a dtype that does not cast to ``out``'s without loss."""
+    try:
+        np.concatenate(values, out=out, casting="same_kind")
+    except TypeError:
+        i = next(i for i, value in enumerate(values) if not np.can_cast(value.dtype, out.dtype, casting="same_kind"))
+        raise ValueError(f"features[{first_index + i}].{key}: expected values that cast to {out.dtype} without "
+                         f"loss; got dtype {values[i].dtype} (cast it first, e.g. .astype(int) for token ids)") from None
+
+
+def _pack_lists(key: str, values: list[Sequence[Any]], out: np.ndarray, *, first_index: int = 0) -> None:
+    """Write lists of Python numbers end to end at the start of ``out`` (int64 or float32).
+
+    Integers that all fit a byte (masks) go through one ``bytes`` join, about twice as fast;
+    anything else through :func:`struct.pack_into`, which also rejects floats in an integer key.
+    """
+    if out.dtype == np.int64:
         try:
-            joined = torch.cat(values + padding)
-        except RuntimeError as err:
-            raise ValueError(f"features.{key}: could not concatenate the tensors ({err}); pass CPU tensors") from None
-        return joined.detach().to("cpu", dtype)
-    out = torch.empty(total, dtype=dtype)
-    out[num_real:] = fill
-    buffer = out.numpy()
-    code = "f" if dtype.is_floating_point else "q"
-    offset = 0
-    for i, (value, n) in enumerate(zip(values, lengths)):
-        if isinstance(value, (list, tuple)):
-            try:
-                struct.pack_into(f"{n}{code}", buffer, offset * buffer.itemsize, *value)
-            except (struct.error, OverflowError) as err:
-                kind = "numbers" if dtype.is_floating_point else "integers (no floats)"
-                raise ValueError(f"features[{i}].{key}: expected {kind} for {dtype}; {err}") from None
+            joined = b"".join(map(bytes, values))
+        except (ValueError, TypeError):  # a value outside 0..255, or not an int: struct below
+            pass
         else:
-            array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
-            if not np.can_cast(array.dtype, buffer.dtype, casting="same_kind"):
-                raise ValueError(f"features[{i}].{key}: expected values that cast to {dtype} without loss; got "
-                                 f"dtype {array.dtype} (cast it first, e.g. .astype(int) for token ids)")
-            buffer[offset:offset + n] = array
-        offset += n
-    return out
+            out[:len(joined)] = np.frombuffer(joined, dtype=np.uint8)
+            return
+    code, dtype = ("q", torch.int64) if out.dtype == np.int64 else ("f", torch.float32)
+    offset = 0
+    for i, value in enumerate(values):
+        try:
+            _packer(len(value), code).pack_into(out, offset * out.itemsize, *value)
+        except (struct.error, OverflowError) as err:
+            kind = "integers (no floats)" if code == "q" else "numbers"
+            raise ValueError(f"features[{first_index + i}].{key}: expected {kind} for {dtype}; {err}") from None
+        offset += len(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _packer(length: int, code: str) -> struct.Struct:
+    """Compiled format for ``length`` values of ``code``; :mod:`struct`'s own cache holds only 100."""
+    return struct.Struct(f"{length}{code}")

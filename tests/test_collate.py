@@ -3,6 +3,8 @@ reference, the padding segment, packs, extra keys, and every malformed input."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -123,6 +125,31 @@ def test_input_kinds_agree_with_lists(kind: str) -> None:
             assert got[key] == value, key
 
 
+@pytest.mark.parametrize("kind", ["list", "tensor", "numpy"])
+def test_inputs_are_left_unchanged(kind: str) -> None:
+    features = make_features([6, 1, 9], extras=True)
+    if kind == "tensor":
+        features = as_tensors(features)
+    elif kind == "numpy":
+        features = [{k: np.asarray(v) for k, v in f.items()} for f in features]
+    before = copy.deepcopy(features)
+    for options in ({}, {"pad_to_multiple_of": 8}):
+        batch = PackingCollator(separator_id=-7, **options)(features)
+        assert batch["labels"][0, 0] == -7
+    for feature, saved in zip(features, before):
+        for key, value in feature.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved[key])), key
+
+
+def test_integer_lists_beyond_a_byte_keep_their_values() -> None:
+    features = [{"input_ids": [1, 2, 3], "tool_mask": [0, 1, 1], "sample_index": [True, False, True]},
+                {"input_ids": [4, 5], "tool_mask": [255, 256], "sample_index": [-1, 2**40]}]
+    batch = PackingCollator(extra_token_keys=("tool_mask", "sample_index"))(features)
+    assert batch["tool_mask"][0].tolist() == [0, 1, 1, 255, 256]
+    assert batch["sample_index"][0].tolist() == [1, 0, 1, -1, 2**40]
+    assert batch["sample_index"].dtype == torch.int64
+
+
 def test_packs_are_flattened_in_order() -> None:
     features = make_features([3, 8, 2, 6, 1], extras=True)
     packs = [features[:2], features[2:3], features[3:]]
@@ -222,12 +249,18 @@ def test_works_as_a_dataloader_collate_fn() -> None:
 # ------------------------------------------------------------------ property test
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
-       pad_to=st.one_of(st.none(), st.integers(1, 32)), with_labels=st.booleans(), as_tensor=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_property_random_lengths(lengths: list[int], pad_to: int | None, with_labels: bool, as_tensor: bool,
+       pad_to=st.one_of(st.none(), st.integers(1, 32)), with_labels=st.booleans(),
+       kind=st.sampled_from(["list", "tensor", "numpy"]), seed=st.integers(0, 2**16))
+def test_property_random_lengths(lengths: list[int], pad_to: int | None, with_labels: bool, kind: str,
                                  seed: int) -> None:
     features = make_features(lengths, seed=seed, labels=with_labels, extras=True)
-    batch = PackingCollator(pad_to_multiple_of=pad_to)(as_tensors(features) if as_tensor else features)
+    if kind == "tensor":
+        inputs = as_tensors(features)
+    elif kind == "numpy":
+        inputs = [{k: np.asarray(v) for k, v in f.items()} for f in features]
+    else:
+        inputs = features
+    batch = PackingCollator(pad_to_multiple_of=pad_to)(inputs)
     total = sum(lengths)
     num_pad = -total % pad_to if pad_to else 0
     assert batch.get("num_pad_tokens", 0) == num_pad
@@ -239,7 +272,10 @@ def test_property_random_lengths(lengths: list[int], pad_to: int | None, with_la
         np.testing.assert_allclose(batch[key][0].numpy(), flat, rtol=1e-6, err_msg=key)
     boundaries = PackedBoundaries.from_batch(batch)
     assert boundaries.lengths == lengths and boundaries.num_pad_tokens == num_pad
-    assert torch.equal(boundaries.position_ids, batch["position_ids"])
+    expected = PackedBoundaries.from_lengths(lengths + [num_pad] if num_pad else lengths, num_pad_tokens=num_pad)
+    for key, field in (("position_ids", "position_ids"), ("seq_idx", "seq_idx"), ("cu_seq_lens_q", "cu_seqlens")):
+        assert batch[key].dtype == getattr(expected, field).dtype, key
+        assert torch.equal(batch[key], getattr(expected, field)), key
 
 
 # ------------------------------------------------------------------ malformed input
@@ -272,6 +308,10 @@ MALFORMED = {
     "float tensor ids": ([{"input_ids": torch.ones(3)}], r"features\[0\]\.input_ids: expected values that cast"),
     "float numpy ids": ([{"input_ids": [1, 2]}, {"input_ids": np.ones(3)}],
                         r"features\[1\]\.input_ids: expected values that cast"),
+    "float numpy ids only": ([{"input_ids": np.ones(3)}], r"features\[0\]\.input_ids: expected values that cast"),
+    "float tensor labels": ([{"input_ids": torch.ones(2, dtype=torch.long), "labels": torch.ones(2)}],
+                            r"features\[0\]\.labels: expected values that cast"),
+    "0-d tensor": ([{"input_ids": torch.tensor(3)}], r"features\[0\]\.input_ids: expected a 1-D"),
     "float in id list": ([{"input_ids": [1, 2.5]}], r"features\[0\]\.input_ids: expected integers"),
     "string ids": ([{"input_ids": "hello"}], r"features\[0\]\.input_ids: expected a list or a 1-D"),
     "float mask in int key": (_features(f1__tool_mask=[0, 1, 0.5, 0]), r"features\[1\]\.tool_mask: expected integers"),

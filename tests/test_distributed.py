@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("dist_sampler_worker.py")
+from hybrid_pack.packing import PackedBatchSampler
+
+WORKER = Path(__file__).parent / "workers" / "dist_sampler.py"
+TRAINER_WORKER = Path(__file__).parent / "workers" / "hf_trainer.py"
 
 
 def _free_port() -> int:
@@ -21,14 +24,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun(script: Path, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), *args]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 @pytest.mark.distributed
 def test_two_process_torchrun_sees_every_example_once(tmp_path):
     out = tmp_path / "gathered.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(out)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _torchrun(WORKER, str(out))
 
     record = json.loads(out.read_text())
     ranks = record["ranks"]
@@ -39,6 +46,33 @@ def test_two_process_torchrun_sees_every_example_once(tmp_path):
         assert len(steps[0]) == len(steps[1]) == ranks[0]["len"]
         seen = Counter(i for rank_steps in steps for batch in rank_steps for i in batch)
         assert seen == Counter(range(record["num_examples"]))
-        assert not set(i for b in steps[0] for i in b) & set(i for b in steps[1] for i in b)
+        assert not {i for b in steps[0] for i in b} & {i for b in steps[1] for i in b}
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
     assert all(r["resumed_matches"] and r["losses_finite"] for r in ranks)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_process_hf_trainer_gets_each_ranks_steps_and_resumes_exactly(tmp_path):
+    """The PackedTrainer of docs/distributed.md: rank r trains on rank r's steps, and a mid-epoch resume continues them."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = tmp_path / "run"
+    _torchrun(TRAINER_WORKER, str(out))
+    full = [json.loads(Path(f"{out}.full.rank{r}.json").read_text()) for r in range(2)]
+    settings = full[0]
+    steps_per_epoch = len(PackedBatchSampler(settings["lengths"], settings["capacity"], num_replicas=2, rank=0))
+    checkpoint = 40
+    assert steps_per_epoch < checkpoint < 2 * steps_per_epoch, "the checkpoint must fall inside the second epoch"
+    _torchrun(TRAINER_WORKER, str(out), str(out / f"checkpoint-{checkpoint}"))
+
+    for rank in range(2):
+        expected = []
+        for epoch in range(2):
+            sampler = PackedBatchSampler(settings["lengths"], settings["capacity"], num_replicas=2, rank=rank,
+                                         seed=settings["seed"])
+            sampler.set_epoch(epoch)
+            expected += list(sampler)
+        assert full[rank]["seen"] == expected
+        resumed = json.loads(Path(f"{out}.resumed.rank{rank}.json").read_text())
+        assert resumed["seen"] == expected[checkpoint:]

@@ -8,8 +8,8 @@ import pytest
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
-from hybrid_pack import plan_packs  # noqa: E402
-from hybrid_pack.packing.hf_datasets import tokenize_and_plan  # noqa: E402
+from hybrid_pack import plan_packs
+from hybrid_pack.packing.hf_datasets import tokenize_and_plan
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps"]
 

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from hybrid_pack import PackPlan, plan_packs
+from hybrid_pack.data import LENGTH_TABLES, load_lengths
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES
+from hybrid_pack.packing.strategies import _best_fit, _first_fit
 from hybrid_pack.packing.report import packing_report
 
 
@@ -77,14 +79,54 @@ def test_knapsack_fills_one_pack_at_a_time_with_the_largest_that_fits():
     assert pack_examples(plan) == [[0, 1, 5], [3, 4], [2]]
 
 
-def test_knapsack_completes_a_pack_exactly_where_ffd_does_not():
-    # Capacity 10, sizes 5, 4, 3, 3, 3, 2 (20 tokens): FFD takes 5, 4 (1 free) and needs 3 packs;
+def test_knapsack_completes_a_pack_exactly_where_greedy_ffd_does_not():
+    # Capacity 10, sizes 5, 4, 3, 3, 3, 2 (20 tokens): greedy FFD takes 5, 4 (1 free) and needs 3 packs;
     # knapsack opens with 5 and finds 3 + 2 to fill the other 5, then 4 + 3 + 3.
     lengths = [3, 5, 2, 4, 3, 3]
-    assert len(plan_packs(lengths, 10, strategy="ffd")) == 3
+    assert _first_fit(np.array([5, 4, 3, 3, 3, 2]), 10)[1] == 3
     plan = plan_packs(lengths, 10, strategy="knapsack")
     assert pack_examples(plan) == [[0, 1, 2], [3, 4, 5]]
     assert len(plan) == plan.lower_bound == 2
+
+
+@pytest.mark.parametrize("strategy, greedy", [("bfd", _best_fit), ("ffd", _first_fit)])
+def test_repair_pass_closes_the_pack_the_greedy_construction_leaves_open(strategy, greedy):
+    # Same sizes: greedy BFD and FFD both end [5, 4] [3, 3, 3] [2]; the repair pass dissolves a pack
+    # and refills the 1 free token of the others by swaps, reaching the lower bound of 2 full packs.
+    assert greedy(np.array([5, 4, 3, 3, 3, 2]), 10)[1] == 3
+    plan = plan_packs([3, 5, 2, 4, 3, 3], 10, strategy=strategy)
+    assert len(plan) == plan.lower_bound == 2
+    assert sorted(map(sorted, pack_sizes(plan))) == [[2, 3, 5], [3, 3, 4]]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd"])
+@pytest.mark.parametrize("table, column", [(table, column) for table in LENGTH_TABLES
+                                           for column in ("full_chatml", "last_turn_prompt", "last_turn_response")])
+def test_repair_pass_reaches_the_lower_bound_on_the_bundled_lengths(table, column, strategy):
+    lengths = load_lengths(table)[column]
+    lengths = lengths[lengths > 0]
+    plan = plan_packs(lengths, 4096, strategy=strategy, overflow="split")
+    assert len(plan) == plan.lower_bound
+    assert plan.pack_tokens.max() <= 4096
+
+
+@pytest.mark.parametrize("strategy, greedy", [("bfd", _best_fit), ("ffd", _first_fit)])
+def test_repair_pass_on_many_documents_keeps_every_invariant(strategy, greedy):
+    # 100,000 GSM8K lengths: the greedy construction ends well above the bound, so the pass does real work.
+    lengths = np.random.default_rng(6).choice(load_lengths("gsm8k_train")["full_chatml"], 100_000)
+    plan = plan_packs(lengths, 4096, strategy=strategy)
+    greedy_packs = greedy(np.sort(lengths.astype(np.int64))[::-1].copy(), 4096)[1]
+    assert plan.lower_bound <= len(plan) < greedy_packs
+    assert np.array_equal(np.sort(plan.example_index), np.arange(lengths.size))
+    assert plan.pack_tokens.max() <= 4096 and plan.pack_num_documents.min() >= 1
+    np.testing.assert_array_equal(plan.pack_tokens, np.bincount(
+        np.repeat(np.arange(len(plan)), plan.pack_num_documents), weights=plan.item_lengths).astype(np.int64))
+    seeded = plan_packs(lengths, 4096, strategy=strategy, seed=3)
+    assert len(seeded) == len(plan)
+    assert sorted(map(sorted, pack_sizes(seeded))) == sorted(map(sorted, pack_sizes(plan)))
+    again = plan_packs(lengths, 4096, strategy=strategy, seed=3)
+    np.testing.assert_array_equal(again.example_index, seeded.example_index)
+    np.testing.assert_array_equal(again.pack_offsets, seeded.pack_offsets)
 
 
 def test_knapsack_prefers_one_item_then_a_pair_then_a_triple():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hybrid_pack import PackPlan, plan_packs
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES
+from hybrid_pack.packing.strategies import _best_fit, _close_gaps, _first_fit
 
 SETTINGS = settings(max_examples=500, deadline=None)
 
@@ -122,19 +123,27 @@ def test_plan_is_deterministic_and_seed_keeps_pack_contents_by_size(lengths, cap
 @SETTINGS
 @given(lengths_st, capacity_st)
 def test_first_fit_and_ffd_match_the_definition(lengths, capacity):
+    """first_fit is first fit; ffd is first-fit decreasing, unless its repair pass found fewer packs."""
     sizes = [min(n, capacity) for n in lengths]
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     for strategy, considered in (("first_fit", list(range(len(sizes)))), ("ffd", order)):
         plan = plan_packs(lengths, capacity, strategy=strategy, overflow="truncate")
         got = [[example for example, _, _ in pack] for pack in plan.packs()]
-        assert got == reference_first_fit(sizes, capacity, considered)
+        expected = reference_first_fit(sizes, capacity, considered)
+        if strategy == "ffd" and len(got) < len(expected):
+            continue
+        assert got == expected
 
 
 @SETTINGS
 @given(lengths_st, capacity_st)
 def test_bfd_matches_the_definition(lengths, capacity):
+    """bfd has the pack loads of best-fit decreasing, unless its repair pass found fewer packs."""
     plan = plan_packs(lengths, capacity, overflow="truncate")
-    assert sorted(plan.pack_tokens.tolist()) == reference_best_fit_loads([min(n, capacity) for n in lengths], capacity)
+    expected = reference_best_fit_loads([min(n, capacity) for n in lengths], capacity)
+    assert len(plan) <= len(expected)
+    if len(plan) == len(expected):
+        assert sorted(plan.pack_tokens.tolist()) == expected
 
 
 @SETTINGS
@@ -148,9 +157,12 @@ def test_next_fit_keeps_input_order_and_opens_a_pack_only_when_needed(lengths, c
 
 
 @SETTINGS
-@given(lengths_st, capacity_st, st.sampled_from(["ffd", "first_fit", "knapsack"]))
+@given(lengths_st, capacity_st, st.sampled_from(["first_fit", "knapsack"]))
 def test_no_document_would_have_fit_an_earlier_pack(lengths, capacity, strategy):
-    """First fit and knapsack close a pack only when nothing that comes later fits its free space."""
+    """First fit and knapsack close a pack only when nothing that comes later fits its free space.
+
+    (ffd has this property exactly when it equals first-fit decreasing, checked above.)
+    """
     plan = plan_packs(lengths, capacity, strategy=strategy, overflow="truncate")
     sizes = plan.item_lengths
     for p in range(len(plan)):
@@ -166,3 +178,19 @@ def test_knapsack_opens_each_pack_with_the_largest_remaining_document(lengths, c
     for p in range(len(plan)):
         here = sizes[plan.pack_offsets[p]:plan.pack_offsets[p + 1]]
         assert here.max() == sizes[plan.pack_offsets[p]:].max()
+
+
+@SETTINGS
+@given(st.lists(st.integers(15, 60), min_size=1, max_size=300), st.integers(100, 130), st.sampled_from(["bfd", "ffd"]))
+def test_repair_pass_never_adds_packs_and_keeps_the_greedy_packing_when_it_closes_none(sizes, capacity, strategy):
+    """Sizes of a sixth to a half of capacity: the greedy packing often ends above the bound (about half the
+    cases), so the pass's moves run, not only its early exit."""
+    sizes = np.sort(np.asarray(sizes, np.int64))[::-1].copy()
+    greedy = {"bfd": _best_fit, "ffd": _first_fit}[strategy]
+    bins, num_bins = greedy(sizes, capacity)
+    repaired, num_repaired = _close_gaps(sizes, bins.copy(), num_bins, capacity)
+    assert -(-int(sizes.sum()) // capacity) <= num_repaired <= num_bins
+    assert np.array_equal(np.unique(repaired), np.arange(num_repaired))
+    assert np.bincount(repaired, weights=sizes, minlength=num_repaired).max() <= capacity
+    if num_repaired == num_bins:
+        np.testing.assert_array_equal(repaired, bins)

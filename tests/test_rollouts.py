@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -29,7 +31,7 @@ def _documents(batch):
     boundaries = PackedBoundaries.from_batch(batch)
     cu = boundaries.cu_seqlens.tolist()
     keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2]
-    return [{k: batch[k][0, a:b].tolist() for k in keys} for a, b in zip(cu[:-1], cu[1:])][:boundaries.num_docs]
+    return [{k: batch[k][0, a:b].tolist() for k in keys} for a, b in itertools.pairwise(cu)][:boundaries.num_docs]
 
 
 @settings(max_examples=40, deadline=None)

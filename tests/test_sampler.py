@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_every_example_once_across_ranks_and_equal_steps(lengths, num_replicas, 
        seed=st.integers(0, 2**16), epoch=st.integers(0, 3), data=st.data())
 def test_resume_from_any_step_reproduces_the_rest_of_the_epoch(lengths, num_replicas, packs_per_step, seed, epoch,
                                                                data):
-    kwargs = dict(num_replicas=num_replicas, packs_per_step=packs_per_step, seed=seed)
+    kwargs = {"num_replicas": num_replicas, "packs_per_step": packs_per_step, "seed": seed}
     rank = data.draw(st.integers(0, num_replicas - 1))
     sampler = _quiet(PackedBatchSampler, lengths, 128, rank=rank, **kwargs)
     sampler.set_epoch(epoch)
@@ -107,7 +108,7 @@ def test_truncate_and_split_yield_slices_covering_kept_tokens_once(lengths, num_
         spans.sort()
         kept = min(lengths[index], capacity) if overflow == "truncate" else lengths[index]
         assert spans[0][0] == 0 and spans[-1][1] == kept
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_order_is_a_pure_function_of_seed_and_epoch():
@@ -234,5 +235,5 @@ def test_bad_arguments_raise(kwargs, field):
 
 
 def test_all_dropped_raises():
-    with pytest.raises(ValueError, match="no example is kept"):
+    with pytest.raises(ValueError, match="no example to pack"):
         PackedBatchSampler([30, 40], 8, overflow="drop")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -65,7 +66,7 @@ def test_bounded_buffer_and_every_kept_token_once(lengths, buffer_size, capacity
     for i, pieces in spans.items():
         pieces.sort()
         assert pieces[0][0] == 0 and pieces[-1][1] == expected[i]
-        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
 
     report = stream.report
     too_long = sum(n > capacity for n in lengths)

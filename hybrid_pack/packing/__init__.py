@@ -12,6 +12,11 @@ _LAZY = {
     "PackedBatchSampler": "hybrid_pack.packing.sampler",
     "pack_stream": "hybrid_pack.packing.streaming",
     "pack_rollouts": "hybrid_pack.packing.rollouts",
+    "PackStream": "hybrid_pack.packing.streaming",
+    "SlicedDataset": "hybrid_pack.packing.slicing",
+    "TokenCost": "hybrid_pack.packing.balance",
+    "tokenize_and_plan": "hybrid_pack.packing.hf_datasets",
+    "packing_report": "hybrid_pack.packing.report",
 }
 
 __all__ = list(_LAZY)

@@ -188,11 +188,12 @@ def plan_packs(
     Args:
         lengths: int ``[N]`` (sequence or 1-D array), token count of each example, each >= 1.
         capacity: tokens per pack, >= 1.
-        strategy: ``"bfd"`` (best-fit decreasing), ``"ffd"`` (first-fit decreasing),
+        strategy: ``"bfd"`` (best-fit decreasing + a gap-closing repair pass), ``"ffd"``
+            (first-fit decreasing + the same pass; the pass only ever removes packs),
             ``"first_fit"`` (input order kept as far as possible), ``"next_fit"`` (input order,
             one open pack) or ``"knapsack"`` (one pack at a time: the longest remaining document,
-            then the longest that fits, or up to three that fill the pack exactly; the fewest
-            packs). See ``docs/packing.md``.
+            then the longest that fits, or up to three that fill the pack exactly). See
+            ``docs/packing.md``.
         overflow: for an example longer than ``capacity``: ``"error"`` (raise), ``"truncate"`` (keep
             its first ``capacity`` tokens), ``"split"`` (cut it into pieces of ``capacity`` tokens,
             the last one shorter, each piece its own document) or ``"drop"``.

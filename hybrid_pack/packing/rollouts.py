@@ -12,6 +12,7 @@ log-probabilities in the same alignment.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from hybrid_pack.collate import IGNORE_INDEX, PackingCollator
 from hybrid_pack.packing.plan import plan_packs
 
-__all__ = ["pack_rollouts", "ROLLOUT_TOKEN_KEYS"]
+__all__ = ["ROLLOUT_TOKEN_KEYS", "pack_rollouts"]
 
 ROLLOUT_TOKEN_KEYS = ("response_mask", "tool_mask", "advantages", "old_logprobs", "sample_index")
 """Per-token keys :func:`pack_rollouts` adds to each collator batch."""
@@ -146,7 +147,7 @@ def pack_rollouts(
     stops = sample_start[plan.example_index] + plan.stop
     offsets = plan.pack_offsets.tolist()
     batches = []
-    for first, last in zip(offsets[:-1], offsets[1:]):
+    for first, last in itertools.pairwise(offsets):
         features = [{"input_ids": input_ids[a:b], "labels": labels[a:b], **{k: v[a:b] for k, v in fields.items()}}
                     for a, b in zip(starts[first:last].tolist(), stops[first:last].tolist())]
         batch = collator(features)

@@ -136,8 +136,8 @@ class PackedBatchSampler(Sampler[Batch]):
         self.cost = cost if cost is not None else TokenCost()
         self.plan = plan_packs(lengths, capacity, strategy=strategy, overflow=overflow, seed=self.seed)
         if self.plan.num_documents == 0:
-            raise ValueError("lengths: no example is kept (all were dropped as longer than capacity); "
-                             "raise capacity or use overflow='truncate' or 'split'")
+            raise ValueError("lengths: no example to pack (the list is empty, or overflow='drop' dropped every "
+                             "example as longer than capacity: raise capacity or use overflow='truncate' or 'split')")
         self._yields_slices = overflow in ("truncate", "split")
 
         group = self.num_replicas * self.packs_per_step

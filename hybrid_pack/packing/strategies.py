@@ -10,10 +10,11 @@ no Python object per item, millions of items in well under a second.
 
 Strategies (``M`` items, capacity ``C``):
 
-* ``bfd`` — best-fit decreasing: largest item first, into the open bin it fills most tightly.
-  O(M log C) with a presence tree over free space ``0..C`` and a queue of bins per free space.
-* ``ffd`` — first-fit decreasing: largest item first, into the lowest-numbered bin it fits.
-  O(M log M) with a max-tree over the free space of every bin.
+* ``bfd`` — best-fit decreasing + a gap-closing repair pass. Construction: largest item first,
+  into the open bin it fills most tightly; O(M log C) with a presence tree over free space
+  ``0..C`` and a queue of bins per free space. Then :func:`_close_gaps`.
+* ``ffd`` — first-fit decreasing + the same repair pass. Construction: largest item first, into
+  the lowest-numbered bin it fits; O(M log M) with a max-tree over the free space of every bin.
 * ``first_fit`` — first fit in input order (packs keep the input order as far as possible).
 * ``next_fit`` — input order, one open bin; a new bin whenever the item does not fit. O(M).
 * ``knapsack`` — fill one bin at a time: open it with the largest remaining item, then add the
@@ -21,6 +22,13 @@ Strategies (``M`` items, capacity ``C``):
   exactly they go in instead. Without that exact-fill search this would reproduce FFD item for
   item; with it, bins close full far more often. O(M log C) plus a search of at most O(C) probes
   per step, run only when three items could fill the bin.
+
+The repair pass (:func:`_close_gaps`) is a bounded, deterministic local search run after the
+greedy ``bfd`` / ``ffd`` packing while it is above ``ceil(sum(sizes) / C)``: dissolve a few bins
+spread over the packing into a pool, refill the free space of every other bin from the pool
+(add a pool item, or swap a bin's item for a larger pool item, or for two pool items, the swapped
+item joining the pool), pack what is left of the pool best-fit decreasing, and keep the result
+only if it has fewer bins. At most 12 rounds of O(M + bins * items per bin * log C) each.
 """
 
 from __future__ import annotations
@@ -29,6 +37,15 @@ import numpy as np
 from numba import njit
 
 __all__ = ["ORDER_KEEPING", "STRATEGIES", "assign_bins", "group_by_bin"]
+
+_REFILL_ROUNDS = 12
+"""Most rounds of the gap-closing pass (failed ones included)."""
+
+_REFILL_SWEEPS = 4
+"""Most sweeps over the kept bins in one round."""
+
+_PAIR_PROBES = 8
+"""Most pool sizes tried when looking for two pool items of a given sum."""
 
 STRATEGIES = ("bfd", "ffd", "first_fit", "next_fit", "knapsack")
 """Valid strategy names, default first."""
@@ -146,6 +163,186 @@ def _best_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
             else:
                 next_bin[tail[free]] = b
             tail[free] = b
+    return bins, num_bins
+
+
+@njit(cache=True)
+def _pool_push(pool_head: np.ndarray, pool_count: np.ndarray, next_item: np.ndarray, has_size: np.ndarray,
+               leaves: int, sizes: np.ndarray, item: int) -> None:
+    """Put ``item`` on the pool stack of its size."""
+    size = sizes[item]
+    if pool_count[size] == 0:
+        _set_presence(has_size, leaves, size, True)
+    next_item[item] = pool_head[size]
+    pool_head[size] = item
+    pool_count[size] += 1
+
+
+@njit(cache=True)
+def _pool_pop(pool_head: np.ndarray, pool_count: np.ndarray, next_item: np.ndarray, has_size: np.ndarray,
+              leaves: int, size: int) -> int:
+    """Take an item of ``size`` (present) off the pool."""
+    item = pool_head[size]
+    pool_head[size] = next_item[item]
+    pool_count[size] -= 1
+    if pool_count[size] == 0:
+        _set_presence(has_size, leaves, size, False)
+    return item
+
+
+@njit(cache=True)
+def _pool_pair(pool_count: np.ndarray, has_size: np.ndarray, leaves: int, target: int, budget: int) -> int:
+    """The larger size ``a`` of two pool items ``a >= target - a`` summing to ``target``, or 0 after ``budget`` probes."""
+    a = _last_present_at_or_below(has_size, leaves, target - 1)
+    for _ in range(budget):
+        if a < 1 or 2 * a < target:
+            break
+        if pool_count[target - a] > (1 if 2 * a == target else 0):
+            return a
+        a = _last_present_at_or_below(has_size, leaves, a - 1)
+    return 0
+
+
+@njit(cache=True)
+def _refill_round(sizes: np.ndarray, bins: np.ndarray, num_bins: int, capacity: int, num_pool: int,
+                  offset: int, use_pairs: bool) -> tuple[np.ndarray, int]:
+    """One round of the gap-closing pass; see :func:`_close_gaps`.
+
+    Dissolves ``num_pool`` bins spread evenly over the opening order (bin ``b`` when
+    ``(num_bins - 1 - b + offset) * num_pool % num_bins < num_pool``, so rounds with another
+    ``offset`` take other bins) into a pool of loose items. Then, up to
+    :data:`_REFILL_SWEEPS` times over the other bins, each bin with free space ``r`` takes the move
+    that fills most of ``r``: add the largest pool item ``<= r``, or swap one of its items ``y`` for
+    the largest pool item ``<= y + r`` (``y`` joins the pool), or (``use_pairs``, only when neither
+    fills ``r`` exactly) swap ``y`` for two pool items summing to ``y + r``. What is left in the
+    pool is packed best-fit decreasing into new bins. Returns the new ``bins`` (kept bins in their
+    order, then the new ones) and their count.
+    """
+    num_items = sizes.shape[0]
+    load = np.zeros(num_bins, np.int64)
+    for i in range(num_items):
+        load[bins[i]] += sizes[i]
+    in_pool = np.zeros(num_bins, np.bool_)
+    for b in range(num_bins):
+        in_pool[b] = (num_bins - 1 - b + offset) * num_pool % num_bins < num_pool
+    leaves = _tree_leaves(capacity + 1)
+    has_size = np.zeros(2 * leaves, np.bool_)
+    pool_head = np.full(capacity + 1, -1, np.int64)
+    pool_count = np.zeros(capacity + 1, np.int64)
+    head = np.full(num_bins, -1, np.int64)
+    next_item = np.full(num_items, -1, np.int64)
+    bin_of = bins.copy()
+    for i in range(num_items - 1, -1, -1):
+        b = bin_of[i]
+        if in_pool[b]:
+            bin_of[i] = -1
+            _pool_push(pool_head, pool_count, next_item, has_size, leaves, sizes, i)
+        else:
+            next_item[i] = head[b]
+            head[b] = i
+
+    for sweep in range(_REFILL_SWEEPS):
+        moved = False
+        for b in range(num_bins):
+            if in_pool[b]:
+                continue
+            free = capacity - load[b]
+            while free > 0:
+                gain = max(_last_present_at_or_below(has_size, leaves, free), 0)
+                out, out_prev, pair = -1, -1, 0
+                prev, i = -1, head[b]
+                while i >= 0 and gain < free:
+                    size = sizes[i]
+                    x = _last_present_at_or_below(has_size, leaves, min(size + free, capacity))
+                    if x - size > gain:
+                        gain, out, out_prev = x - size, i, prev
+                    prev, i = i, next_item[i]
+                if gain < free and use_pairs and sweep == 0:
+                    prev, i = -1, head[b]
+                    while i >= 0:
+                        if sizes[i] + free <= capacity:
+                            pair = _pool_pair(pool_count, has_size, leaves, sizes[i] + free, _PAIR_PROBES)
+                            if pair > 0:
+                                gain, out, out_prev = free, i, prev
+                                break
+                        prev, i = i, next_item[i]
+                if gain <= 0:
+                    break
+                if out < 0:
+                    x = _pool_pop(pool_head, pool_count, next_item, has_size, leaves, gain)
+                    next_item[x] = head[b]
+                    head[b] = x
+                    bin_of[x] = b
+                else:
+                    target = sizes[out] + gain
+                    x = _pool_pop(pool_head, pool_count, next_item, has_size, leaves, target if pair == 0 else pair)
+                    next_item[x] = next_item[out]
+                    if out_prev < 0:
+                        head[b] = x
+                    else:
+                        next_item[out_prev] = x
+                    bin_of[x] = b
+                    if pair > 0:
+                        x = _pool_pop(pool_head, pool_count, next_item, has_size, leaves, target - pair)
+                        next_item[x] = head[b]
+                        head[b] = x
+                        bin_of[x] = b
+                    bin_of[out] = -1
+                    _pool_push(pool_head, pool_count, next_item, has_size, leaves, sizes, out)
+                free -= gain
+                load[b] += gain
+                moved = True
+        if not moved:
+            break
+
+    num_left = pool_count.sum()
+    left = np.empty(num_left, np.int64)
+    k = 0
+    for size in range(capacity, 0, -1):
+        i = pool_head[size]
+        while i >= 0:
+            left[k] = i
+            k += 1
+            i = next_item[i]
+    new_bins, num_new = _best_fit(sizes[left], capacity)
+    renumber = np.empty(num_bins, np.int64)
+    num_kept = 0
+    for b in range(num_bins):
+        renumber[b] = num_kept
+        num_kept += not in_pool[b]
+    for i in range(num_items):
+        if bin_of[i] >= 0:
+            bin_of[i] = renumber[bin_of[i]]
+    for k in range(num_left):
+        bin_of[left[k]] = num_kept + new_bins[k]
+    return bin_of, num_kept + num_new
+
+
+@njit(cache=True)
+def _close_gaps(sizes: np.ndarray, bins: np.ndarray, num_bins: int, capacity: int) -> tuple[np.ndarray, int]:
+    """Gap-closing repair pass run after a greedy packing: fewer bins, or the same ``bins`` unchanged.
+
+    Up to :data:`_REFILL_ROUNDS` rounds of :func:`_refill_round`, each dissolving
+    ``min(8 * gap + 32, num_bins // 8)`` bins (at least one; ``gap``: bins above
+    ``ceil(sum(sizes) / capacity)``) into a pool that refills the free space of the others. A
+    round's result is kept only if it has fewer bins, so a pass that closes nothing returns the
+    greedy packing as it was. Rounds use single-item moves until one fails, then also pair moves
+    (first sweep only); the pass stops when a round with pair moves fails or the bound is reached.
+    Deterministic: depends only on ``sizes`` (in the order given) and ``bins``.
+    """
+    lower_bound = (sizes.sum() + capacity - 1) // capacity
+    use_pairs = False
+    for attempt in range(_REFILL_ROUNDS):
+        if num_bins <= lower_bound:
+            break
+        num_pool = max(min(8 * (num_bins - lower_bound) + 32, num_bins // 8), 1)
+        new_bins, num_new = _refill_round(sizes, bins, num_bins, capacity, num_pool, attempt, use_pairs)
+        if num_new < num_bins:
+            bins, num_bins = new_bins, num_new
+        elif use_pairs:
+            break
+        else:
+            use_pairs = True
     return bins, num_bins
 
 
@@ -279,6 +476,9 @@ def _knapsack(sizes: np.ndarray, order: np.ndarray, capacity: int) -> tuple[np.n
     return bin_of_item, b + 1
 
 
+_REPAIRED = frozenset({"bfd", "ffd"})
+"""Strategies whose greedy packing is followed by the gap-closing pass (:func:`_close_gaps`)."""
+
 _ONLINE_KERNELS = {"bfd": _best_fit, "ffd": _first_fit, "first_fit": _first_fit, "next_fit": _next_fit}
 
 
@@ -299,7 +499,10 @@ def assign_bins(sizes: np.ndarray, capacity: int, strategy: str, order: np.ndarr
         bin_of_item, num_bins = _knapsack(sizes, order, capacity)
         return bin_of_item, int(num_bins)
     considered = order if strategy in ORDER_KEEPING else _sort_descending(sizes, order, capacity)
-    bins, num_bins = _ONLINE_KERNELS[strategy](sizes[considered], capacity)
+    considered_sizes = sizes[considered]
+    bins, num_bins = _ONLINE_KERNELS[strategy](considered_sizes, capacity)
+    if strategy in _REPAIRED:
+        bins, num_bins = _close_gaps(considered_sizes, bins, num_bins, capacity)
     bin_of_item = np.empty_like(bins)
     bin_of_item[considered] = bins
     return bin_of_item, int(num_bins)

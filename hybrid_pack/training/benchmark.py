@@ -1,8 +1,8 @@
 """``hybrid-pack bench``: packed against padded training throughput on bundled GSM8K.
 
-The padded baseline trains the same example groups, in the same order, padded to their longest
-(what ``DataCollatorWithPadding`` does), so both runs do the same optimisation and only the
-padding differs. Target: packed real tokens/s / padded real tokens/s >= 0.9 x (padded tokens /
+The padded baseline trains the same examples from the same initial weights, shuffled in dataset
+order, in batches of the mean pack's example count padded to their longest (what
+``DataCollatorWithPadding`` does). Target: packed real tokens/s / padded real tokens/s >= 0.9 x (padded tokens /
 real tokens).
 """
 
@@ -22,10 +22,10 @@ def run_benchmark(model: str = "qwen3-next-tiny", steps: int = 5, capacity: int 
     with tempfile.TemporaryDirectory() as out:
         m = train(TrainConfig(model=model, out=out, capacity=capacity, max_examples=examples, max_steps=steps,
                               compare_padded=True, progress=False, device=device))
-    target = 0.9 * m["padded_tokens_ratio"]
     return {"model": model, "device": m["device"], "dtype": m["dtype"], "steps": m["steps"],
             "packed_tokens_per_second": m["tokens_per_second"],
             "padded_tokens_per_second": m["padded_tokens_per_second"],
             "padded_tokens_per_real_token": m["padded_tokens_ratio"], "speedup": m["speedup"],
-            "target_speedup": target, "meets_target": m["speedup"] >= target,
-            "losses_agree": m["losses_agree"], "max_loss_rel_diff": m["max_loss_rel_diff"]}
+            "target_speedup": m["target_speedup"], "meets_target": m["speedup"] >= m["target_speedup"],
+            "losses_agree": m["losses_agree"], "same_batch_loss_rel_diff": m["same_batch_loss_rel_diff"],
+            "final_loss_rel_diff": m["final_loss_rel_diff"]}
