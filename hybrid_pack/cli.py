@@ -92,7 +92,9 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     table = Table(title=f"hybrid-pack: {metrics['model']} on {metrics['data']} ({metrics['device']}, {metrics['dtype']})")
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("examples / packs / steps", f"{metrics['examples']} / {metrics['packs']} / {metrics['steps']}")
+    table.add_row("examples / real tokens", f"{metrics['examples']:,} / {metrics['real_tokens']:,}")
+    table.add_row("packs per epoch (lower bound) / steps",
+                  f"{metrics['packs_per_epoch']} ({metrics['packs_lower_bound']}) / {metrics['steps']}")
     table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
     if metrics.get("isolation_ok") is not None:
         table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
@@ -107,6 +109,7 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
         table.add_row("packed and padded losses agree",
                       f"{agree} (same batch {metrics['same_batch_loss_rel_diff']:.1e}, "
                       f"end of run {100 * metrics['final_loss_rel_diff']:.1f}%)")
+    table.add_row("time taken", f"{metrics['wall_seconds']:.0f} s")
     console = Console()
     console.print(table)
     console.print(f"wrote {out}/metrics.json, {out}/loss.png, {out}/pack_fill.png")

@@ -8,8 +8,8 @@ import pytest
 from hybrid_pack import PackPlan, plan_packs
 from hybrid_pack.data import LENGTH_TABLES, load_lengths
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES
-from hybrid_pack.packing.strategies import _best_fit, _first_fit
 from hybrid_pack.packing.report import packing_report
+from hybrid_pack.packing.strategies import _best_fit, _first_fit
 
 
 def pack_sizes(plan: PackPlan) -> list[list[int]]:

@@ -28,7 +28,7 @@ greedy ``bfd`` / ``ffd`` packing while it is above ``ceil(sum(sizes) / C)``: dis
 spread over the packing into a pool, refill the free space of every other bin from the pool
 (add a pool item, or swap a bin's item for a larger pool item, or for two pool items, the swapped
 item joining the pool), pack what is left of the pool best-fit decreasing, and keep the result
-only if it has fewer bins. At most 12 rounds of O(M + bins * items per bin * log C) each.
+only if it has fewer bins. At most 8 rounds of O(M + bins * items per bin * log C) each.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from numba import njit
 
 __all__ = ["ORDER_KEEPING", "STRATEGIES", "assign_bins", "group_by_bin"]
 
-_REFILL_ROUNDS = 12
+_REFILL_ROUNDS = 8
 """Most rounds of the gap-closing pass (failed ones included)."""
 
-_REFILL_SWEEPS = 4
+_REFILL_SWEEPS = 2
 """Most sweeps over the kept bins in one round."""
 
 _PAIR_PROBES = 8

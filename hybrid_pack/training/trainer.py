@@ -240,6 +240,7 @@ def _save_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, schedul
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train, write ``metrics.json`` and plots to ``cfg.out``, and return the metrics."""
+    began = time.perf_counter()
     rank, world = _setup_distributed()
     device, autocast = _device_and_autocast(cfg)
     out = cfg.out_dir
@@ -309,6 +310,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     metrics.update({
         "steps": len(stats.losses), "packs": len(stats.groups), "real_tokens": stats.real_tokens,
         "tokens_per_second": stats.tokens_per_second, "packing_efficiency": sampler.plan.efficiency,
+        "packs_lower_bound": sampler.plan.lower_bound, "packs_per_epoch": sampler.num_packs,
         "mean_pack_fill": sum(fills) / max(1, len(fills)), "final_loss": stats.losses[-1] if stats.losses else None,
         "first_loss": stats.losses[0] if stats.losses else None, "losses": stats.losses, "seconds": stats.seconds,
     })
@@ -318,6 +320,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if world > 1:
             raise ValueError("compare_padded: run the padded comparison on one process (without torchrun)")
         padded_stats = _compare_padded(model, initial_state, features, stats, cfg, device, autocast, metrics)
+    metrics["wall_seconds"] = time.perf_counter() - began
     if rank == 0:
         plot_loss(out / "loss.png", stats.losses, padded_stats.losses if padded_stats else None)
         plot_pack_fill(out / "pack_fill.png", fills, cfg.capacity)
