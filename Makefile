@@ -5,18 +5,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-TORCH ?= torch==2.13.0
-# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
-# on a machine without a GPU and without a local CPU wheel.
-TORCH_PIP_ARGS ?=
+TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# With a GPU: the CUDA build from PyPI. Without: the CPU build (a local +cpu wheel if pip can see one,
+# else PyTorch's CPU index), never the several GB of CUDA packages.
+ifeq ($(HAS_GPU),1)
+INSTALL_TORCH = $(PIP) install -q torch==$(TORCH_VERSION)
+else
+INSTALL_TORCH = $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	$(PIP) install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
+endif
 
 .PHONY: demo test test-fast test-kernels bench venv clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q $(TORCH) $(TORCH_PIP_ARGS)
+	$(INSTALL_TORCH)
 	$(PIP) install -q -e .
 	touch $@
 
@@ -36,7 +41,7 @@ test: $(VENV)/.test
 
 # The real Triton kernels of flash-linear-attention and mamba-ssm, on CPU in Triton's interpreter.
 test-kernels: $(VENV)/.test
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests/kernels
+	TRITON_INTERPRET=1 HYBRID_PACK_REQUIRE_KERNELS=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests/kernels
 
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow and not distributed" tests --ignore=tests/kernels

@@ -211,7 +211,8 @@ class PackedBoundaries:
         """From a :class:`~hybrid_pack.PackingCollator` output (or any dict with the same keys).
 
         Uses ``cu_seq_lens_q`` if present, else ``seq_idx``, else ``position_ids``, and checks that
-        every other boundary key present agrees. ``num_pad_tokens`` is read when present.
+        every other boundary key present on the host agrees. ``num_pad_tokens`` is read when present.
+        Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         """
         num_pad = int(batch.get("num_pad_tokens", 0) or 0)
         for key in ("cu_seq_lens_q", "cu_seqlens", "seq_idx", "position_ids"):
@@ -224,10 +225,10 @@ class PackedBoundaries:
                  "seq_idx": cls.from_seq_idx, "position_ids": cls.from_position_ids}[key]
         out = maker(batch[key], num_pad_tokens=num_pad)
         for other in ("cu_seq_lens_k", "seq_idx", "position_ids"):
-            if other != key and batch.get(other) is not None:
+            got = batch.get(other)
+            if other != key and got is not None and (not isinstance(got, torch.Tensor) or got.device.type == "cpu"):
                 expected = {"cu_seq_lens_k": out.cu_seqlens, "seq_idx": out.seq_idx,
                             "position_ids": out.position_ids}[other]
-                got = batch[other]
                 same = (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape)
                         and torch.equal(got.detach().to("cpu", torch.int64), expected.to("cpu", torch.int64)))
                 if not same:

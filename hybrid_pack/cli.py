@@ -1,7 +1,7 @@
 """``hybrid-pack``: demo, train, check, backends, bench.
 
-Exit codes: 0 success, 1 a failed check (a leak, or a model that cannot take a packed batch),
-2 bad arguments.
+Exit codes: 0 success, 1 a failed check (a leak, or a model that raises on a packed batch),
+2 bad arguments or settings (including a model hybrid_pack cannot patch).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     if demo:
+        p.add_argument("--compare-padded", action="store_true", default=True, help="always on for the demo")
+        p.add_argument("--isolation-check", action="store_true", default=True, help="always on for the demo")
         return
     p.add_argument("--data", default="gsm8k", help="'gsm8k' (bundled) or a JSONL file of {'messages': [...]} chats")
     p.add_argument("--epochs", type=int, default=1)

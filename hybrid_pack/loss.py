@@ -108,7 +108,7 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
     else:
         doc = boundaries.seq_idx.to(device=logprobs.device, dtype=torch.long).flatten()
         doc_sum = logprobs.new_zeros(boundaries.num_segments).index_add_(0, doc, -logprobs.flatten())
-        doc_count = logprobs.new_zeros(boundaries.num_segments).index_add_(0, doc, mask.flatten().float())
+        doc_count = logprobs.new_zeros(boundaries.num_segments).index_add_(0, doc, mask.flatten().to(logprobs.dtype))
         total = (doc_sum / doc_count.clamp(min=1)).sum()
         count = (doc_count > 0).sum() if num_items_in_batch is None else num_items_in_batch
     if isinstance(count, torch.Tensor):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -18,17 +17,11 @@ WORKER = Path(__file__).parent / "workers" / "dist_sampler.py"
 TRAINER_WORKER = Path(__file__).parent / "workers" / "hf_trainer.py"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script: Path, *args: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), *args]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(script), *args]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

@@ -138,6 +138,10 @@ def test_bad_forward_arguments_raise() -> None:
         model(ids.view(7, 1), seq_idx=boundaries.seq_idx)
     with pytest.raises(ValueError, match="^boundaries"):
         model(ids[:, :5], boundaries=boundaries)
+    with pytest.raises(ValueError, match="^cu_seqlens"):
+        model(ids, cu_seqlens=boundaries.cu_seqlens)
+    with pytest.raises(ValueError, match="^cu_seq_lens_k"):
+        model(ids, cu_seq_lens_k=boundaries.cu_seqlens)
 
 
 def test_config_json_round_trip(tmp_path) -> None:

@@ -105,7 +105,8 @@ def test_tensor_inputs_and_default_masks():
     batches = pack_rollouts([torch.tensor([1, 2])], [torch.tensor([3, 4, 5])], 16)
     (doc,) = _documents(batches[0])
     assert doc["input_ids"] == [1, 2, 3, 4, 5] and doc["tool_mask"] == [0] * 5
-    assert "advantages" not in batches[0] and "old_logprobs" not in batches[0]
+    assert batches[0]["advantages"].tolist() == [[0.0] * 5] and batches[0]["old_logprobs"].tolist() == [[0.0] * 5]
+    assert batches[0]["advantages"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("kwargs,field", [

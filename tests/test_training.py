@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -106,19 +105,32 @@ def test_user_jsonl_chats(tmp_path):
     assert metrics["examples"] == 6 and metrics["steps"] >= 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_torchrun_two_processes_agree(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "tests.workers.dist_train", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "tests.workers.dist_train", str(tmp_path)]
     subprocess.run(cmd, check=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
     assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_hugging_face_directory_trains_with_boundaries(tmp_path):
+    from hybrid_pack.integrations.transformers.tiny import tiny_config
+    from hybrid_pack.training.data import build_features, load_chats
+    from hybrid_pack.training.trainer import build_model
+
+    model_dir = tmp_path / "bamba"
+    tiny_config("bamba").save_pretrained(model_dir)
+    cfg = TrainConfig(model=str(model_dir), out=str(tmp_path / "run"), max_examples=24, capacity=1024, max_steps=1,
+                      progress=False, lr=0.0)
+    metrics = train(cfg)
+    first_pack = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["groups"][0]
+
+    model = build_model(cfg).train()
+    features, _ = build_features(load_chats("gsm8k", 24), model.config.vocab_size, max_length=1024)
+    batch = PackingCollator()([features[i] for i in first_pack])
+    expected = model(**batch).loss
+    assert metrics["losses"][0] == pytest.approx(float(expected), rel=1e-5)

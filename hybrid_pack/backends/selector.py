@@ -9,6 +9,7 @@ take the inputs and logs the skip once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -54,7 +55,11 @@ def _check_forced(mapping: Mapping[str, str], source: str) -> dict[str, str]:
 
 
 def _env_forced() -> dict[str, str]:
-    raw = os.environ.get(ENV_VAR, "").strip()
+    return _parse_env(os.environ.get(ENV_VAR, "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_env(raw: str) -> dict[str, str]:
     if not raw:
         return {}
     pairs = {}
@@ -119,7 +124,11 @@ def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad:
 
 
 def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:
-    """The name of the backend that will run ``op`` for inputs on ``device`` of ``dtype``."""
+    """The name of the backend that will run ``op`` for inputs on ``device`` of ``dtype``.
+
+    Per-call input limits (a conv width, a chunk size, initial states a kernel cannot take) are checked
+    when the op runs: such a call goes to the next backend, and the skip is logged once.
+    """
     return resolve(op, device=torch.device(device), dtype=dtype, requires_grad=requires_grad).name
 
 

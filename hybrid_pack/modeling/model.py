@@ -90,9 +90,18 @@ class HybridModel(nn.Module):
         return self.norm(hidden_states)
 
 
+PRIMARY_KEYS = ("cu_seq_lens_q", "seq_idx", "position_ids")
+SECONDARY_KEYS = ("cu_seq_lens_k", "max_length_q", "max_length_k", "num_pad_tokens")
+
+
 def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoundaries:
     """Boundaries from the collator keys in ``batch``, or one document per row when there are none."""
-    if all(batch.get(key) is None for key in ("cu_seq_lens_q", "seq_idx", "position_ids")):
+    if all(batch.get(key) is None for key in PRIMARY_KEYS):
+        given = [key for key in SECONDARY_KEYS if batch.get(key) is not None]
+        given = [key for key in given if not (key == "num_pad_tokens" and batch[key] == 0)]
+        if given:
+            raise ValueError(f"{given[0]}: given without cu_seq_lens_q, seq_idx or position_ids, which say where "
+                             "the documents start; pass the whole PackingCollator batch")
         return PackedBoundaries.from_lengths([tokens] * rows)
     if rows != 1:
         raise ValueError(f"input_ids: a packed batch is one row [1, T] (PackingCollator flattens the batch); "
@@ -180,6 +189,10 @@ class HybridForCausalLM(nn.Module):
                              f"got {list(source.shape)}")
         rows, tokens = source.shape[:2]
         if boundaries is None:
+            unknown = [key for key in kwargs if key.startswith(("cu_seq", "seq_", "max_len"))]
+            if unknown:
+                raise ValueError(f"{unknown[0]}: not a boundary key this model reads; use the PackingCollator "
+                                 "keys (cu_seq_lens_q, seq_idx, position_ids, ...)")
             batch = {"position_ids": position_ids, "seq_idx": seq_idx, "cu_seq_lens_q": cu_seq_lens_q,
                      "cu_seq_lens_k": cu_seq_lens_k, "max_length_q": max_length_q,
                      "max_length_k": max_length_k, "num_pad_tokens": num_pad_tokens}

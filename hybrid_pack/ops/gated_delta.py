@@ -27,7 +27,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` for the ``N = boundaries.num_docs`` documents (the padding
             segment, if any, starts from zero).
-        output_final_state: also return each document's final state ``[N, HV, K, V]`` (float32).
+        output_final_state: also return each document's final state ``[N, HV, K, V]`` (float32; float64
+            for float64 inputs).
         use_qk_l2norm: L2-normalise q and k over K first.
         backend: force a backend (see :mod:`hybrid_pack.backends`).
 

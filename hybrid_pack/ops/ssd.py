@@ -16,7 +16,8 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2 SSD: ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T``, ``y_t = C_t^T h_t + D x_t``.
 
-    ``dt`` is ``softplus(dt + dt_bias)`` when ``dt_softplus``; ``y`` is gated by ``silu(z)`` when ``z``
+    ``dt`` is ``softplus(dt + dt_bias)`` when ``dt_softplus``, then clamped at 0 (as mamba-ssm's default
+    ``dt_limit``); ``y`` is gated by ``silu(z)`` when ``z``
     is given. ``h`` starts from zero (or ``initial_states[n]``) at the first token of each document.
 
     Args:
@@ -30,7 +31,8 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         dt_bias: ``[H]``.
         chunk_size: the chunk length of the chunked scan (a speed knob; results do not depend on it).
         initial_states: ``[N, H, P, N_state]`` for the ``N = boundaries.num_docs`` documents.
-        return_final_states: also return each document's final state ``[N, H, P, N_state]`` (float32).
+        return_final_states: also return each document's final state ``[N, H, P, N_state]`` (float32;
+            float64 for float64 inputs).
         backend: force a backend (see :mod:`hybrid_pack.backends`).
 
     Returns:

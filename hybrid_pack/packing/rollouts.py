@@ -95,7 +95,7 @@ def pack_rollouts(
         ``labels``, ``position_ids``, ``seq_idx``, ``cu_seq_lens_q/k``, ``max_length_q/k``) plus,
         each ``[1, T]``: ``response_mask`` (int64, 1 on every response token, tool outputs included),
         ``tool_mask`` (int64, 1 on injected tool output), ``advantages`` and ``old_logprobs``
-        (float32, 0 on prompt tokens; present when given) and ``sample_index`` (int64, the sample of
+        (float32, 0 on prompt tokens; all zeros when not given) and ``sample_index`` (int64, the sample of
         each token, -1 on padding). ``labels`` are the token ids where ``response_mask * (1 - tool_mask)`` is 1 and
         -100 elsewhere, so ``packed_loss(logits, batch["labels"])`` is the NLL of the policy's tokens.
     """
@@ -133,11 +133,11 @@ def pack_rollouts(
         if ((tool != 0) & (tool != 1)).any():
             raise ValueError("tool_masks: expected only 0 and 1 (1 where a tool's output was injected)")
         fields["tool_mask"][response_positions] = tool
+    fields["advantages"] = np.zeros(input_ids.shape[0], dtype=np.float32)
+    fields["old_logprobs"] = np.zeros(input_ids.shape[0], dtype=np.float32)
     if advantages is not None:
-        fields["advantages"] = np.zeros(input_ids.shape[0], dtype=np.float32)
         fields["advantages"][response_positions] = _advantages(advantages, response_lengths)
     if old_logprobs is not None:
-        fields["old_logprobs"] = np.zeros(input_ids.shape[0], dtype=np.float32)
         fields["old_logprobs"][response_positions] = _flat("old_logprobs", old_logprobs, response_lengths, np.float32)
     policy_token = (fields["response_mask"] == 1) & (fields["tool_mask"] == 0)
     labels = np.where(policy_token, input_ids, IGNORE_INDEX)

@@ -180,6 +180,7 @@ def _first_backward_leak(model: torch.nn.Module, loss_fn: Any, others: torch.Ten
     finally:
         for h in handles:
             h.remove()
+        model.zero_grad(set_to_none=True)
     innermost = [n for n in flagged if not any(o.startswith(n + ".") for o in flagged)]
     return innermost[-1] if innermost else None
 

@@ -156,8 +156,8 @@ def _train_pass(model: torch.nn.Module, steps: Iterable[list[dict[str, Any]]], *
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - began
         stats.seconds += elapsed
-        if step == start_step:
-            stats.warmup_seconds += elapsed
+        if step == 0:
+            stats.warmup_seconds = elapsed
             stats.warmup_tokens = stats.real_tokens
         stats.losses.append(step_loss)
         step += 1
@@ -234,7 +234,8 @@ def _save_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, schedul
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "sampler": sampler.state_dict(), "step": step, "losses": stats.losses, "groups": stats.groups,
                 "real_tokens": stats.real_tokens, "computed_tokens": stats.computed_tokens,
-                "seconds": stats.seconds}, tmp)
+                "seconds": stats.seconds, "warmup_seconds": stats.warmup_seconds,
+                "warmup_tokens": stats.warmup_tokens}, tmp)
     os.replace(tmp, path)
 
 
@@ -242,6 +243,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train, write ``metrics.json`` and plots to ``cfg.out``, and return the metrics."""
     began = time.perf_counter()
     rank, world = _setup_distributed()
+    if cfg.compare_padded and world > 1:
+        raise ValueError("compare_padded: run the padded comparison on one process (without torchrun)")
     device, autocast = _device_and_autocast(cfg)
     out = cfg.out_dir
     if rank == 0:
@@ -288,7 +291,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         sampler.load_state_dict(ckpt["sampler"])
         start_step = ckpt["step"]
         stats = RunStats(losses=list(ckpt["losses"]), groups=list(ckpt["groups"]), real_tokens=ckpt["real_tokens"],
-                         computed_tokens=ckpt["computed_tokens"], seconds=ckpt["seconds"])
+                         computed_tokens=ckpt["computed_tokens"], seconds=ckpt["seconds"],
+                         warmup_seconds=ckpt["warmup_seconds"], warmup_tokens=ckpt["warmup_tokens"])
 
     holder: dict[str, Any] = {}
 
@@ -305,11 +309,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     stats, _, _ = _train_pass(model, steps, total_steps=total_steps, cfg=cfg, device=device, autocast=autocast,
                               world=world, describe="packed", on_step=on_step, start_step=start_step,
                               optimizer=optimizer, scheduler=scheduler, stats=stats)
+    tokens_per_second = stats.tokens_per_second
+    if world > 1:  # every rank's tokens over the slowest rank's time
+        tokens, seconds = (torch.tensor([float(v)]) for v in (stats.real_tokens - stats.warmup_tokens,
+                                                               stats.seconds - stats.warmup_seconds))
+        dist.all_reduce(tokens)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        tokens_per_second = float(tokens / seconds) if float(seconds) > 0 else 0.0
     fills = [sum(lengths[i] for i in g) / cfg.capacity for g in stats.groups]
     metrics["parameters_checksum"] = float(sum(p.detach().double().sum() for p in _unwrap(model).parameters()))
     metrics.update({
         "steps": len(stats.losses), "packs": len(stats.groups), "real_tokens": stats.real_tokens,
-        "tokens_per_second": stats.tokens_per_second, "packing_efficiency": sampler.plan.efficiency,
+        "tokens_per_second": tokens_per_second, "packing_efficiency": sampler.plan.efficiency,
         "packs_lower_bound": sampler.plan.lower_bound, "packs_per_epoch": sampler.num_packs,
         "mean_pack_fill": sum(fills) / max(1, len(fills)), "final_loss": stats.losses[-1] if stats.losses else None,
         "first_loss": stats.losses[0] if stats.losses else None, "losses": stats.losses, "seconds": stats.seconds,
@@ -317,8 +328,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     padded_stats = None
     if cfg.compare_padded:
-        if world > 1:
-            raise ValueError("compare_padded: run the padded comparison on one process (without torchrun)")
         padded_stats = _compare_padded(model, initial_state, features, stats, cfg, device, autocast, metrics)
     metrics["wall_seconds"] = time.perf_counter() - began
     if rank == 0:

@@ -27,6 +27,8 @@ def _skip_reason() -> str:
 
 
 SKIP_REASON = _skip_reason()
+if SKIP_REASON and os.environ.get("HYBRID_PACK_REQUIRE_KERNELS") == "1":
+    raise pytest.UsageError(f"HYBRID_PACK_REQUIRE_KERNELS=1 but the tier cannot run: {SKIP_REASON}")
 
 if not SKIP_REASON:
     from hybrid_pack.ops.kernels.triton_cpu import enable_cpu_interpreter

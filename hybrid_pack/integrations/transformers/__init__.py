@@ -62,9 +62,13 @@ def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward) -> None
 
 
 def _packed_boundaries(model: torch.nn.Module, kwargs: dict[str, Any]) -> PackedBoundaries | None:
-    """The boundaries of a packed call, or None for an ordinary one (no boundary key, no restarting positions)."""
+    """The boundaries of a packed call, or None for an ordinary one (no boundary key, no restarting positions).
+
+    A ready :class:`PackedBoundaries` may come as ``boundaries=`` (as native models take it); it is popped.
+    """
+    given = kwargs.pop("boundaries", None)
     position_ids = kwargs.get("position_ids")
-    packed = any(kwargs.get(key) is not None for key in BOUNDARY_KEYS)
+    packed = given is not None or any(kwargs.get(key) is not None for key in BOUNDARY_KEYS)
     if not packed and position_ids is not None and kwargs.get("attention_mask") is None and position_ids.dim() == 2 \
             and position_ids.shape[0] == 1 and not any(kwargs.get(key) is not None for key in CACHE_KEYS):
         packed = bool((position_ids[0, 1:] == 0).any())  # restarting positions: a flattened batch
@@ -83,7 +87,7 @@ def _packed_boundaries(model: torch.nn.Module, kwargs: dict[str, Any]) -> Packed
                              "training and scoring; generate from unpacked inputs")
     if kwargs.get("use_cache"):
         raise ValueError("use_cache: must be False (or unset) with a packed batch; a cache would mix documents")
-    boundaries = PackedBoundaries.from_batch(kwargs)
+    boundaries = given if given is not None else PackedBoundaries.from_batch(kwargs)
     device = tokens.device if tokens is not None else boundaries.device
     return boundaries.to(device) if boundaries.device != device else boundaries
 

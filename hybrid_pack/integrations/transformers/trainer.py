@@ -2,7 +2,7 @@
 :class:`~hybrid_pack.PackedBatchSampler` and the :class:`~hybrid_pack.PackingCollator`.
 
 ``Trainer`` builds a plain sampler and a padding collator; :class:`PackedTrainer` swaps in a
-packed ``DataLoader``. The sampler yields every rank's steps interleaved (``rank=None``), the layout
+packed ``DataLoader`` and hands the model ready ``boundaries=`` built on the host. The sampler yields every rank's steps interleaved (``rank=None``), the layout
 accelerate's ``BatchSamplerShard`` splits across processes, and a callback sets its epoch so each
 epoch (and a resumed one) walks its own order.
 """
@@ -16,6 +16,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
+from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.packing.sampler import PackedBatchSampler
 
@@ -49,6 +50,14 @@ class PackedTrainer(Trainer):
         self.packed_sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
                                                  seed=self.args.seed)
         self.add_callback(SetSamplerEpoch(self.packed_sampler))
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Build the boundaries from the host batch, before it moves to the device (no device syncs later)."""
+        boundaries = PackedBoundaries.from_batch(inputs) if "cu_seq_lens_q" in inputs else None
+        inputs = super()._prepare_inputs(inputs)
+        if boundaries is not None:
+            inputs["boundaries"] = boundaries.to(self.args.device)
+        return inputs
 
     def get_train_dataloader(self) -> DataLoader:
         loader = DataLoader(self.train_dataset, batch_sampler=self.packed_sampler, collate_fn=self.packing_collator,

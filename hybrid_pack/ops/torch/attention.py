@@ -126,6 +126,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
     """
     layout = bucket_layout(boundaries)
     num_heads, num_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    if q.device.type == "cuda" and num_heads != num_kv_heads:
+        # On CUDA, SDPA's enable_gqa runs only in the flash and math kernels; repeating the kv heads keeps
+        # the memory-efficient kernel (linear memory) available for fp32 and masked calls.
+        k, v = (t.repeat_interleave(num_heads // num_kv_heads, dim=2) for t in (k, v))
+        num_kv_heads = num_heads
     sizes = [bucket.num_slots for bucket in layout.buckets]
     q_rows, k_rows, v_rows = (layout.to_slots(t[0]).split(sizes) for t in (q, k, v))
     outputs = []

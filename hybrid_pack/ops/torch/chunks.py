@@ -57,10 +57,15 @@ class ChunkLayout:
         return self.step_offsets[step + 1] - self.step_offsets[step]
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, ...]`` -> ``[M, C, ...]``, zeros in masked slots."""
+        """``[T, ...]`` -> ``[M, C, ...]``, zeros in masked slots.
+
+        Masked slots are filled with ``torch.where``, not a multiplication by the mask: ``0 * inf`` is NaN,
+        and a NaN in a masked slot would reach the other documents through the chunk's matmuls (and its
+        gradient would reach token 0).
+        """
         out = x[self.token_index]
         mask = self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1)))
-        return out * mask.to(out.dtype)
+        return torch.where(mask, out, out.new_zeros(()))
 
     def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
         """``[M, C, ...]`` -> ``[T, ...]`` (masked slots dropped)."""
