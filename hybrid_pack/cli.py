@@ -1,7 +1,9 @@
 """``hybrid-pack``: demo, train, check, backends, bench.
 
-Exit codes: 0 success, 1 a failed check (a leak, or a model that raises on a packed batch),
-2 bad arguments or settings (including a model hybrid_pack cannot patch).
+Exit codes: 0 success, 1 a failed check (a leak, a model that raises on a packed batch, a backend
+that fails its self-check), 2 bad arguments or settings (including a model hybrid_pack cannot
+patch). Only hybrid_pack's own errors (:class:`~hybrid_pack.errors.HybridPackError`) are reported
+as one line; anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -58,14 +60,18 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--backend", action="append", default=[],
                        help="force backends: 'torch' (every op) or op=name, repeatable (conv=torch)")
     check.add_argument("--lengths", default=None, help="comma-separated document lengths (default: adversarial set)")
-    check.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    check.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    check.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     check.add_argument("--no-grads", action="store_true", help="skip the gradient check")
     check.add_argument("--no-patch", action="store_true", help="check a Hugging Face model without patch_model")
     check.add_argument("--json", default=None, help="also write the report as JSON to this file")
     check.add_argument("--seed", type=int, default=0)
     backends = sub.add_parser("backends", help="which backend runs each op here, and why not the others")
-    backends.add_argument("--device", default=None)
-    backends.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    backends.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    backends.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                          help="default: float32 for the table; with --verify, bfloat16 and float32 on CUDA")
+    backends.add_argument("--verify", action="store_true",
+                          help="run every backend's self-check now (exit 1 if one fails)")
     bench = sub.add_parser("bench", help="packing, collator and packed-vs-padded training throughput")
     bench.add_argument("--out", default="runs/bench", help="writes bench.json here")
     bench.add_argument("--model", default="qwen3-next-tiny")
@@ -132,6 +138,7 @@ def _run_train(args: argparse.Namespace, *, demo: bool) -> int:
 
 def _forced_backends(values: Sequence[str]) -> dict[str, str]:
     from hybrid_pack.backends import OPS, backends_of
+    from hybrid_pack.errors import InputError
 
     forced: dict[str, str] = {}
     for value in values:
@@ -141,7 +148,7 @@ def _forced_backends(values: Sequence[str]) -> dict[str, str]:
         else:
             matched = {op: value for op in OPS if any(b.name == value for b in backends_of(op))}
             if not matched:
-                raise ValueError(f"--backend: no op has a backend named {value!r}")
+                raise InputError(f"--backend: no op has a backend named {value!r}")
             forced.update(matched)
     return forced
 
@@ -167,14 +174,15 @@ def _model_for_check(name: str, *, patch: bool) -> Any:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    import torch
+
     from hybrid_pack.backends import use_backends
     from hybrid_pack.testing import check_isolation
 
     forced = _forced_backends(args.backend)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
-    model = _model_for_check(args.model, patch=not args.no_patch)
-    if args.dtype == "float64":
-        model = model.double()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = _model_for_check(args.model, patch=not args.no_patch).to(device=device, dtype=getattr(torch, args.dtype))
     with use_backends(**forced):
         report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed)
     report.model = args.model
@@ -187,10 +195,23 @@ def _run_check(args: argparse.Namespace) -> int:
 def _run_backends(args: argparse.Namespace) -> int:
     import torch
 
-    from hybrid_pack.backends import report
+    from hybrid_pack.backends import report, verify
 
-    print(report(device=args.device, dtype=getattr(torch, args.dtype)))
-    return 0
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    failed = False
+    if args.verify:
+        results = verify(device=args.device, dtype=dtype)
+        print(f"self-checks on {results[0].device if results else args.device}, with backward\n")
+        print(f"{'op':<12} {'backend':<14} {'dtype':<9} {'result':<7} {'max error':>9} {'seconds':>8}")
+        for r in results:
+            verdict = "ok" if r.ok else "FAILED"
+            print(f"{r.op:<12} {r.backend:<14} {r.dtype:<9} {verdict:<7} {r.max_error:>9.1e} {r.seconds:>8.2f}")
+            if not r.ok:
+                print(f"{'':<12} {r.reason}")
+        failed = not all(r.ok for r in results)
+        print()
+    print(report(device=args.device, dtype=dtype or torch.float32))
+    return 1 if failed else 0
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -207,12 +228,17 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from hybrid_pack.errors import HybridPackError, IsolationError
+
     args = _parser().parse_args(argv)
     try:
         if args.command in ("demo", "train"):
             return _run_train(args, demo=args.command == "demo")
         return {"check": _run_check, "backends": _run_backends, "bench": _run_bench}[args.command](args)
-    except ValueError as err:
+    except IsolationError as err:
+        print(f"hybrid-pack {args.command}: {err}", file=sys.stderr)
+        return 1
+    except HybridPackError as err:
         print(f"hybrid-pack {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -10,8 +10,7 @@ copy itself; nothing loops over tokens in Python:
   join when every value fits a byte (masks), the fastest readers of Python ints and floats
   measured (``benchmarks/bench_collator.py``);
 - checks run once per key over all documents (one comprehension each), not per document;
-- the boundaries are one compiled (numba) pass, the values :meth:`PackedBoundaries.from_lengths`
-  gives.
+- the boundary keys come from :meth:`PackedBoundaries.from_lengths` (one compiled pass).
 """
 
 from __future__ import annotations
@@ -23,18 +22,20 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from numba import njit
 
-__all__ = ["FLOAT_TOKEN_KEYS", "IGNORE_INDEX", "PackingCollator"]
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.schema import (
+    COLLATED_KEYS,
+    DEFAULT_EXTRA_TOKEN_KEYS,
+    FLOAT_TOKEN_KEYS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    PackedBatch,
+)
 
-IGNORE_INDEX = -100
-"""Label value the loss ignores (the ``torch.nn.CrossEntropyLoss`` default)."""
-
-FLOAT_TOKEN_KEYS = frozenset({"advantages", "old_logprobs"})
-"""Extra per-token keys that are always float32; other extra keys are int64 unless given as floats."""
-
-_BUILT_KEYS = frozenset({"input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k",
-                         "max_length_q", "max_length_k", "num_pad_tokens"})
+__all__ = ["PackingCollator"]
 
 _LIST_TYPES = frozenset({list, tuple})
 _MAX_TOKENS = np.iinfo(np.int32).max
@@ -78,23 +79,23 @@ class PackingCollator:
         pad_to_multiple_of: int | None = None,
         pack_length: int | None = None,
         pad_token_id: int = 0,
-        extra_token_keys: Sequence[str] = ("response_mask", "tool_mask", "advantages", "old_logprobs"),
+        extra_token_keys: Sequence[str] = DEFAULT_EXTRA_TOKEN_KEYS,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pack_length", pack_length)):
             if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name}: expected a positive int or None; got {value!r}")
+                raise InputError(f"{name}: expected a positive int or None; got {value!r}")
         if pad_to_multiple_of is not None and pack_length is not None and pack_length % pad_to_multiple_of:
-            raise ValueError(f"pack_length: expected a multiple of pad_to_multiple_of={pad_to_multiple_of}; got "
+            raise InputError(f"pack_length: expected a multiple of pad_to_multiple_of={pad_to_multiple_of}; got "
                              f"{pack_length} (pass only one of them, or make pack_length a multiple)")
         for name, value in (("separator_id", separator_id), ("pad_token_id", pad_token_id)):
             if not _is_int(value):
-                raise ValueError(f"{name}: expected an int; got {value!r}")
+                raise InputError(f"{name}: expected an int; got {value!r}")
         if isinstance(extra_token_keys, str):
-            raise ValueError(f"extra_token_keys: expected a sequence of key names; got the string "
+            raise InputError(f"extra_token_keys: expected a sequence of key names; got the string "
                              f"{extra_token_keys!r} (wrap it: ({extra_token_keys!r},))")
-        clashes = sorted(set(extra_token_keys) & _BUILT_KEYS)
+        clashes = sorted(set(extra_token_keys) & COLLATED_KEYS)
         if clashes:
-            raise ValueError(f"extra_token_keys: {clashes} are built by the collator itself; remove them")
+            raise InputError(f"extra_token_keys: {clashes} are built by the collator itself; remove them")
         self.separator_id = int(separator_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pack_length = pack_length
@@ -106,62 +107,47 @@ class PackingCollator:
                 f"pad_to_multiple_of={self.pad_to_multiple_of}, pack_length={self.pack_length}, "
                 f"pad_token_id={self.pad_token_id}, extra_token_keys={self.extra_token_keys})")
 
-    def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]]) -> dict[str, Any]:
+    def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]]) -> PackedBatch:
         docs = _flatten(features)
         try:
-            ids = [doc["input_ids"] for doc in docs]
+            ids = [doc[INPUT_IDS] for doc in docs]
         except KeyError:
-            index = next(i for i, doc in enumerate(docs) if "input_ids" not in doc)
-            raise ValueError(f"features[{index}]: expected an 'input_ids' key (tokenize the examples first, "
+            index = next(i for i, doc in enumerate(docs) if INPUT_IDS not in doc)
+            raise InputError(f"features[{index}]: expected an {INPUT_IDS!r} key (tokenize the examples first, "
                              f"e.g. with hybrid_pack.data.tokenize_chats)") from None
         ids_kind = _kind(ids)
-        lengths = _token_counts("input_ids", ids, ids_kind)
+        lengths = _token_counts(INPUT_IDS, ids, ids_kind)
         if 0 in lengths:
-            raise ValueError(f"features[{lengths.index(0)}].input_ids: expected at least one token; got an empty "
+            raise InputError(f"features[{lengths.index(0)}].{INPUT_IDS}: expected at least one token; got an empty "
                              f"document (drop empty examples before collating)")
         num_real = sum(lengths)
         num_pad = self._num_pad_tokens(num_real)
         layout = _Layout(lengths, num_real, num_real + num_pad)
         if layout.total > _MAX_TOKENS:
-            raise ValueError(f"features: expected fewer than 2**31 tokens per batch (cu_seq_lens is int32); got "
+            raise InputError(f"features: expected fewer than 2**31 tokens per batch (cu_seq_lens is int32); got "
                              f"{layout.total} (split the batch)")
-        segment_lengths = lengths + [num_pad] if num_pad else lengths
-        cu_seqlens, seq_idx, position_ids = _boundary_arrays(segment_lengths, layout.total)
+        boundaries = PackedBoundaries.from_document_lengths(lengths, num_pad_tokens=num_pad)
 
-        input_ids = _concat("input_ids", ids, ids_kind, layout, self.pad_token_id, torch.int64)
-        column = _column(docs, "labels", layout)
+        input_ids = _concat(INPUT_IDS, ids, ids_kind, layout, self.pad_token_id, torch.int64)
+        column = _column(docs, LABELS, layout)
         if column is None:
             labels = input_ids.clone()
             labels.numpy()[0, num_real:] = self.separator_id
         else:
-            labels = _concat("labels", *column, layout, self.separator_id, torch.int64)
-        labels.numpy()[0, cu_seqlens[:len(lengths)]] = self.separator_id
-
-        cu_seq_lens = torch.from_numpy(cu_seqlens)
-        max_length = max(segment_lengths)
-        batch: dict[str, Any] = {
-            "input_ids": input_ids,
-            "labels": labels,
-            "position_ids": torch.from_numpy(position_ids),
-            "seq_idx": torch.from_numpy(seq_idx),
-            "cu_seq_lens_q": cu_seq_lens,
-            "cu_seq_lens_k": cu_seq_lens,
-            "max_length_q": max_length,
-            "max_length_k": max_length,
-        }
+            labels = _concat(LABELS, *column, layout, self.separator_id, torch.int64)
+        labels.numpy()[0, boundaries.cu_seqlens.numpy()[:len(lengths)]] = self.separator_id
+        batch: dict[str, Any] = {INPUT_IDS: input_ids, LABELS: labels, **boundaries.batch_kwargs()}
         for key in self.extra_token_keys:
             column = _column(docs, key, layout)
             if column is not None:
                 values, kind = column
                 batch[key] = _concat(key, values, kind, layout, 0, _extra_dtype(key, values[0]))
-        if num_pad:
-            batch["num_pad_tokens"] = num_pad
-        return batch
+        return batch  # type: ignore[return-value]
 
     def _num_pad_tokens(self, num_tokens: int) -> int:
         if self.pack_length is not None:
             if num_tokens > self.pack_length:
-                raise ValueError(f"pack_length: the features hold {num_tokens} tokens, more than "
+                raise InputError(f"pack_length: the features hold {num_tokens} tokens, more than "
                                  f"pack_length={self.pack_length} (raise pack_length, or group the examples with "
                                  f"hybrid_pack.plan_packs(lengths, capacity={self.pack_length}))")
             return self.pack_length - num_tokens
@@ -185,27 +171,27 @@ def _is_sequence(value: Any) -> bool:
 def _flatten(features: Any) -> list[Feature]:
     """The documents of ``features`` in order: a list of dicts, or a list of packs (lists of dicts)."""
     if not _is_sequence(features) or _is_mapping(features):
-        raise ValueError(f"features: expected a list of examples (dicts with 'input_ids') or a list of packs; got "
+        raise InputError(f"features: expected a list of examples (dicts with 'input_ids') or a list of packs; got "
                          f"{type(features).__name__} (split a dict of lists into one dict per example)")
     if len(features) == 0:
-        raise ValueError("features: expected at least one example; got an empty list")
+        raise InputError("features: expected at least one example; got an empty list")
     if _is_mapping(features[0]):
         if {type(doc) for doc in features} != {dict}:
             for i, doc in enumerate(features):
                 if not _is_mapping(doc):
-                    raise ValueError(f"features[{i}]: expected a dict like features[0]; got {type(doc).__name__} "
+                    raise InputError(f"features[{i}]: expected a dict like features[0]; got {type(doc).__name__} "
                                      f"(pass a list of examples or a list of packs, not a mix)")
         return list(features)
     docs: list[Feature] = []
     for i, pack in enumerate(features):
         if not _is_sequence(pack) or _is_mapping(pack):
-            raise ValueError(f"features[{i}]: expected a pack (a list of dicts) like features[0]; "
+            raise InputError(f"features[{i}]: expected a pack (a list of dicts) like features[0]; "
                              f"got {type(pack).__name__}")
         if len(pack) == 0:
-            raise ValueError(f"features[{i}]: expected a pack with at least one example; got an empty pack")
+            raise InputError(f"features[{i}]: expected a pack with at least one example; got an empty pack")
         for j, doc in enumerate(pack):
             if not _is_mapping(doc):
-                raise ValueError(f"features[{i}][{j}]: expected a dict with 'input_ids'; got {type(doc).__name__}")
+                raise InputError(f"features[{i}][{j}]: expected a dict with 'input_ids'; got {type(doc).__name__}")
         docs.extend(pack)
     return docs
 
@@ -250,15 +236,15 @@ def _token_counts(key: str, values: list[Any], kind: _Kind) -> list[int]:
     else:
         for i, value in enumerate(values):
             if not isinstance(value, (list, tuple, torch.Tensor, np.ndarray)):
-                raise ValueError(f"features[{i}].{key}: expected a list or a 1-D tensor / array; "
+                raise InputError(f"features[{i}].{key}: expected a list or a 1-D tensor / array; "
                                  f"got {type(value).__name__}")
     for i, value in enumerate(values):
         if isinstance(value, (list, tuple)):
             if value and isinstance(value[0], (list, tuple)):
-                raise ValueError(f"features[{i}].{key}: expected a flat list (one document); got a nested list "
+                raise InputError(f"features[{i}].{key}: expected a flat list (one document); got a nested list "
                                  f"(split its rows into separate examples)")
         elif value.ndim != 1:
-            raise ValueError(f"features[{i}].{key}: expected a 1-D sequence (one document); got shape "
+            raise InputError(f"features[{i}].{key}: expected a 1-D sequence (one document); got shape "
                              f"{list(value.shape)} (flatten it, or split its rows into separate examples)")
     return [len(value) for value in values]
 
@@ -271,7 +257,7 @@ def _column(docs: list[Feature], key: str, layout: _Layout) -> tuple[list[Any], 
     except KeyError:
         present = [key in doc for doc in docs]
         if any(present):
-            raise ValueError(f"features[{present.index(False)}].{key}: missing, while "
+            raise InputError(f"features[{present.index(False)}].{key}: missing, while "
                              f"features[{present.index(True)}] has it (give '{key}' to every example or to none)"
                              ) from None
         return None
@@ -281,7 +267,7 @@ def _column(docs: list[Feature], key: str, layout: _Layout) -> tuple[list[Any], 
     counts = _token_counts(key, values, kind)
     if counts != layout.lengths:
         i = next(i for i, (got, want) in enumerate(zip(counts, layout.lengths)) if got != want)
-        raise ValueError(f"features[{i}].{key}: expected {layout.lengths[i]} values (one per input_ids token); "
+        raise InputError(f"features[{i}].{key}: expected {layout.lengths[i]} values (one per input_ids token); "
                          f"got {counts[i]}")
     return values, kind
 
@@ -297,29 +283,6 @@ def _extra_dtype(key: str, first: Any) -> torch.dtype:
     else:
         floating = np.issubdtype(first.dtype, np.floating)
     return torch.float32 if floating else torch.int64
-
-
-def _boundary_arrays(segment_lengths: list[int], total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``cu_seqlens`` int32 ``[S + 1]``, ``seq_idx`` int32 ``[1, T]`` and restarting ``position_ids``
-    int64 ``[1, T]`` of consecutive segments with these (positive) lengths summing to ``total``."""
-    return _fill_boundaries(np.array(segment_lengths, dtype=np.int64), total)
-
-
-@njit(cache=True)
-def _fill_boundaries(lengths: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One compiled pass, half the time of the equivalent NumPy cumsum / repeat calls (their call overhead)."""
-    cu_seqlens = np.empty(lengths.size + 1, dtype=np.int32)
-    seq_idx = np.empty((1, total), dtype=np.int32)
-    position_ids = np.empty((1, total), dtype=np.int64)
-    cu_seqlens[0] = 0
-    token = 0
-    for segment in range(lengths.size):
-        for position in range(lengths[segment]):
-            seq_idx[0, token] = segment
-            position_ids[0, token] = position
-            token += 1
-        cu_seqlens[segment + 1] = token
-    return cu_seqlens, seq_idx, position_ids
 
 
 def _concat(key: str, values: list[Any], kind: _Kind, layout: _Layout, fill: int, dtype: torch.dtype) -> torch.Tensor:
@@ -353,17 +316,17 @@ def _cat_tensors(key: str, values: list[torch.Tensor], layout: _Layout, fill: in
     (floats into int64) is refused.
     """
     if layout.total > layout.num_real:
-        values = values + [torch.full((layout.total - layout.num_real,), fill, dtype=dtype)]
+        values = [*values, torch.full((layout.total - layout.num_real,), fill, dtype=dtype)]
     try:
         joined = torch.cat(values)
     except RuntimeError as err:
-        raise ValueError(f"features.{key}: could not concatenate the tensors ({err}); pass CPU tensors") from None
+        raise InputError(f"features.{key}: could not concatenate the tensors ({err}); pass CPU tensors") from None
     if joined.requires_grad:
         joined = joined.detach()
     if joined.dtype != dtype or not joined.is_cpu:
         if not torch.can_cast(joined.dtype, dtype):  # the promoted dtype is lossy only if an input's is
             i = next(i for i, value in enumerate(values) if not torch.can_cast(value.dtype, dtype))
-            raise ValueError(f"features[{i}].{key}: expected values that cast to {dtype} without loss; got "
+            raise InputError(f"features[{i}].{key}: expected values that cast to {dtype} without loss; got "
                              f"dtype {values[i].dtype} (cast it first, e.g. .long() for token ids)")
         joined = joined.to("cpu", dtype)
     return joined[None]
@@ -375,8 +338,9 @@ def _cat_arrays(key: str, values: list[np.ndarray], out: np.ndarray, *, first_in
         np.concatenate(values, out=out, casting="same_kind")
     except TypeError:
         i = next(i for i, value in enumerate(values) if not np.can_cast(value.dtype, out.dtype, casting="same_kind"))
-        raise ValueError(f"features[{first_index + i}].{key}: expected values that cast to {out.dtype} without "
-                         f"loss; got dtype {values[i].dtype} (cast it first, e.g. .astype(int) for token ids)") from None
+        raise InputError(f"features[{first_index + i}].{key}: expected values that cast to {out.dtype} without "
+                         f"loss; got dtype {values[i].dtype} (cast it first, e.g. .astype(int) for token ids)"
+                         ) from None
 
 
 def _pack_lists(key: str, values: list[Sequence[Any]], out: np.ndarray, *, first_index: int = 0) -> None:
@@ -400,7 +364,7 @@ def _pack_lists(key: str, values: list[Sequence[Any]], out: np.ndarray, *, first
             _packer(len(value), code).pack_into(out, offset * out.itemsize, *value)
         except (struct.error, OverflowError) as err:
             kind = "integers (no floats)" if code == "q" else "numbers"
-            raise ValueError(f"features[{first_index + i}].{key}: expected {kind} for {dtype}; {err}") from None
+            raise InputError(f"features[{first_index + i}].{key}: expected {kind} for {dtype}; {err}") from None
         offset += len(value)
 
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.collate import IGNORE_INDEX
+from hybrid_pack.errors import InputError
+from hybrid_pack.schema import IGNORE_INDEX
 
 __all__ = ["packed_loss", "token_logprobs"]
 
@@ -28,19 +29,19 @@ Reduction = Literal["token", "sequence"]
 
 def _check_shapes(logits: torch.Tensor, labels: torch.Tensor, boundaries: PackedBoundaries | None) -> None:
     if logits.dim() != 3:
-        raise ValueError(f"logits: expected shape [B, T, V] (a packed batch is [1, T, V]); "
+        raise InputError(f"logits: expected shape [B, T, V] (a packed batch is [1, T, V]); "
                          f"got shape {list(logits.shape)}")
     if tuple(labels.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"labels: expected shape {list(logits.shape[:2])} (the logits' [B, T]); "
+        raise InputError(f"labels: expected shape {list(logits.shape[:2])} (the logits' [B, T]); "
                          f"got shape {list(labels.shape)}")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"labels: expected an integer tensor (token ids, -100 ignored); got {labels.dtype}")
+        raise InputError(f"labels: expected an integer tensor (token ids, -100 ignored); got {labels.dtype}")
     if boundaries is not None:
         if logits.shape[0] != 1:
-            raise ValueError(f"logits: boundaries describe one packed row, so the batch must be 1; "
+            raise InputError(f"logits: boundaries describe one packed row, so the batch must be 1; "
                              f"got shape {list(logits.shape)}")
         if boundaries.total_tokens != logits.shape[1]:
-            raise ValueError(f"boundaries: expected {logits.shape[1]} tokens (the logits' T); "
+            raise InputError(f"boundaries: expected {logits.shape[1]} tokens (the logits' T); "
                              f"got {boundaries.total_tokens}")
 
 
@@ -97,9 +98,9 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
         gradient).
     """
     if reduction not in ("token", "sequence"):
-        raise ValueError(f"reduction: expected 'token' or 'sequence'; got {reduction!r}")
+        raise InputError(f"reduction: expected 'token' or 'sequence'; got {reduction!r}")
     if reduction == "sequence" and boundaries is None:
-        raise ValueError("boundaries: reduction='sequence' needs the row's document boundaries "
+        raise InputError("boundaries: reduction='sequence' needs the row's document boundaries "
                          "(pass boundaries=PackedBoundaries.from_batch(batch))")
     logprobs, mask = token_logprobs(logits, labels, boundaries=boundaries)
     if reduction == "token":
@@ -114,5 +115,5 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
     if isinstance(count, torch.Tensor):
         return total / count.to(device=total.device, dtype=total.dtype).clamp(min=1)
     if count < 1:
-        raise ValueError(f"num_items_in_batch: expected a positive count; got {count}")
+        raise InputError(f"num_items_in_batch: expected a positive count; got {count}")
     return total / count

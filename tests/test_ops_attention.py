@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops import varlen_attention
-from hybrid_pack.ops.torch.attention import MAX_PAD_FRACTION, MAX_PAD_TOKENS, bucket_layout
+from hybrid_pack.boundaries.buckets import MAX_PAD_FRACTION, MAX_PAD_TOKENS
 from tests.reference.attention import varlen_attention_ref
 
 LAYOUTS = {
@@ -146,8 +146,8 @@ def test_half_precision_keeps_dtype_and_tracks_float64(dtype: torch.dtype) -> No
 def test_buckets_bound_padding_and_cover_every_token() -> None:
     lengths = [3000, 2900, 1, 1, 2, 700, 650, 17, 4, 1200, 9]
     boundaries = PackedBoundaries.from_lengths(lengths)
-    layout = bucket_layout(boundaries)
-    assert layout is bucket_layout(PackedBoundaries.from_lengths(lengths))
+    layout = boundaries.bucket_layout()
+    assert layout is boundaries.bucket_layout()
     slots = layout.slot_of_token.tolist()
     assert len(set(slots)) == len(slots) and max(slots) < layout.num_slots
     assert sum(bucket.num_slots for bucket in layout.buckets) == layout.num_slots

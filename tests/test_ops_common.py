@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from hybrid_pack import use_backends
-from hybrid_pack.backends import ENV_VAR, Backend, available, register, registry, report, select, selector
+from hybrid_pack.backends import ENV_VAR, Backend, available, register, report, select
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops import causal_conv1d, varlen_attention
-from hybrid_pack.ops.torch.conv import causal_conv1d as torch_causal_conv1d
+from hybrid_pack.ops.conv.torch_backend import causal_conv1d as torch_causal_conv1d
+from hybrid_pack.ops.dispatch import registry, selector
 
 BOUNDARIES = PackedBoundaries.from_lengths([3, 5, 2])
 T = BOUNDARIES.total_tokens
@@ -93,21 +94,25 @@ def fake_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """For one test, attention and conv have only their torch backends (whatever kernels this machine has)."""
     for op in ("attention", "conv"):
-        monkeypatch.setitem(registry._REGISTRY, op, [registry.get_backend(op, "torch")])
+        monkeypatch.setitem(registry._BACKENDS, op, [registry.get_backend(op, "torch")])
     monkeypatch.setattr(selector, "_logged", set())
 
 
 @pytest.fixture
-def fake_conv_backend(torch_only: None) -> list[int]:
-    """Registers, for one test only, a conv backend ranked above torch that takes widths up to 4."""
+def fake_conv_backend(torch_only: None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Registers, for one test only, a conv backend ranked above torch that takes widths up to 4.
+
+    Its self-check is off (tests/ops/test_selfcheck.py covers it): these tests count the calls it serves.
+    """
     FAKE_KERNEL_CALLS.clear()
+    monkeypatch.setenv(selector.VERIFY_ENV, "0")
 
     def accepts(inputs: Mapping[str, Any]) -> str:
         width = inputs["weight"].shape[1]
         return "" if width <= 4 else f"test kernel takes widths up to 4, not {width}"
 
     register(Backend(op="conv", name="fake_kernel", impl=f"{__name__}:fake_conv", boundary_arg="seq_idx (test)",
-                     priority=100, accepts=accepts))
+                     priority=100, devices=("cpu",), accepts=accepts))
     return FAKE_KERNEL_CALLS
 
 
@@ -199,7 +204,7 @@ def test_unusable_backends_say_why(torch_only: None) -> None:
     register(Backend(op="attention", name="missing_pkg", impl="no_such_module:fn", boundary_arg="cu_seqlens",
                      priority=50, requires=("hybrid_pack_no_such_package",)))
     register(Backend(op="attention", name="no_backward", impl="no_such_module:fn", boundary_arg="cu_seqlens",
-                     priority=40, backward=False))
+                     priority=40, devices=("cpu",), backward=False))
     rows = {r.backend: r for r in available("attention")}
     assert not rows["missing_pkg"].usable and "hybrid_pack_no_such_package" in rows["missing_pkg"].reason
     assert select("attention", device="cpu", dtype=torch.float32, requires_grad=True) == "torch"
@@ -219,5 +224,5 @@ def test_select_and_report_on_cpu(torch_only: None) -> None:
             assert select(op, device="cpu", dtype=dtype, requires_grad=True) == "torch"
     lines = report("cpu", torch.float32).splitlines()
     assert lines[0].startswith("hybrid_pack backends on cpu, float32")
-    chosen = [line.split() for line in lines if line.endswith("CHOSEN")]
+    chosen = [line.split() for line in lines if "CHOSEN" in line]
     assert ["attention", "torch"] == chosen[0][:2] and ["conv", "torch"] == chosen[1][:2]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hybrid_pack import PackedBoundaries
 from hybrid_pack.ops import gated_delta_rule
-from hybrid_pack.ops.torch import gated_delta as torch_backend
+from hybrid_pack.ops.gated_delta import torch_backend
 from tests.reference.gated_delta import gated_delta_rule_reference
 
 C = torch_backend.CHUNK_SIZE

@@ -1,12 +1,22 @@
-"""Backend selection for the boundary-safe ops (SPEC §5).
+"""Backend selection for the boundary-safe ops (docs/api.md §5, §5a).
 
-Every registered backend keeps documents apart; the selector picks the fastest one that can run
-on the inputs, and refuses loudly when a forced one cannot.
+Every registered backend keeps documents apart; a kernel serves a call only after it has passed the
+self-check for that call's key here. ``available()`` says what can run and why not, ``select()`` what
+will run, ``verify()`` checks every backend now, ``report()`` prints it all, and ``register()`` adds a
+user's own kernel, which is checked like the others before it serves.
 """
 
-from hybrid_pack.backends import catalog as _catalog  # noqa: F401  (registers the backends)
-from hybrid_pack.backends.registry import OPS, Backend, backends_of, get_backend, register
-from hybrid_pack.backends.selector import ENV_VAR, BackendStatus, available, report, resolve, select, use_backends
+from hybrid_pack.backends.report import report
+from hybrid_pack.ops import dispatch as _dispatch  # noqa: F401  (importing the ops registers their backends)
+from hybrid_pack.ops.dispatch.backend import Backend
+from hybrid_pack.ops.dispatch.registry import backends_of, get_backend, register, registered_ops, unregister
+from hybrid_pack.ops.dispatch.selector import ENV_VAR, VERIFY_ENV, resolve, select, use_backends
+from hybrid_pack.ops.dispatch.status import BackendStatus, available, verify
+from hybrid_pack.ops.dispatch.verdicts import CACHE_ENV, CheckResult
 
-__all__ = ["OPS", "ENV_VAR", "Backend", "BackendStatus", "available", "backends_of", "get_backend", "register",
-           "report", "resolve", "select", "use_backends"]
+OPS = registered_ops()
+"""The ops: ``"attention"``, ``"conv"``, ``"gated_delta"``, ``"ssd"``."""
+
+__all__ = ["OPS", "ENV_VAR", "VERIFY_ENV", "CACHE_ENV", "Backend", "BackendStatus", "CheckResult", "available",
+           "backends_of", "get_backend", "register", "unregister", "report", "resolve", "select", "use_backends",
+           "verify"]

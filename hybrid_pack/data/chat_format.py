@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_pack.errors import InputError
+
 __all__ = ["Chat", "RenderedChat", "format_chat"]
 
 Message = Mapping[str, Any]
@@ -107,19 +109,19 @@ def _messages_and_tools(chat: Chat) -> tuple[list[Message], Sequence[Any] | None
     """The checked message list and the tools of ``chat``."""
     if isinstance(chat, Mapping):
         if "messages" not in chat:
-            raise ValueError(f"chat: expected a 'messages' key (a list of {{'role', 'content'}} dicts); "
+            raise InputError(f"chat: expected a 'messages' key (a list of {{'role', 'content'}} dicts); "
                              f"got keys {sorted(chat)}")
         messages, tools = chat["messages"], chat.get("tools")
     else:
         messages, tools = chat, None
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
+        raise InputError("messages: expected a non-empty list of {'role', 'content'} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or message.get("role") not in _ROLES:
             role = message.get("role") if isinstance(message, Mapping) else None
-            raise ValueError(f"messages[{i}].role: expected one of {list(_ROLES)}; got {role!r}")
+            raise InputError(f"messages[{i}].role: expected one of {list(_ROLES)}; got {role!r}")
         if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}].content: expected a string; got {type(message.get('content')).__name__} "
+            raise InputError(f"messages[{i}].content: expected a string; got {type(message.get('content')).__name__} "
                              f"(use \"\" for an assistant turn that only calls tools)")
     return list(messages), tools
 
@@ -155,7 +157,7 @@ def _assistant_body(index: int, message: Message, *, after_last_query: bool, is_
             body += "\n"
         call = call.get("function") or call
         if "name" not in call or "arguments" not in call:
-            raise ValueError(f"messages[{index}].tool_calls[{j}]: expected 'name' and 'arguments' "
+            raise InputError(f"messages[{index}].tool_calls[{j}]: expected 'name' and 'arguments' "
                              f"(or a 'function' dict holding them); got keys {sorted(call)}")
         arguments = call["arguments"]
         body += ('<tool_call>\n{"name": "' + str(call["name"]) + '", "arguments": '

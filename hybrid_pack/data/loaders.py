@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from hybrid_pack.errors import InputError
+
 __all__ = ["ASSETS_DIR", "LENGTH_TABLES", "load_arena_hard_chats", "load_gsm8k", "load_lengths",
            "load_toolcall_chats"]
 
@@ -32,7 +34,7 @@ def load_gsm8k(split: str = "train") -> list[dict[str, Any]]:
     ``messages`` = the question as the user turn, the answer as the assistant turn.
     """
     if split not in ("train", "test"):
-        raise ValueError(f"split: expected 'train' or 'test'; got {split!r}")
+        raise InputError(f"split: expected 'train' or 'test'; got {split!r}")
     with gzip.open(ASSETS_DIR / "gsm8k" / f"{split}.jsonl.gz", "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     return [{"question": row["question"], "answer": row["answer"],
@@ -89,6 +91,6 @@ def load_lengths(name: str) -> dict[str, np.ndarray]:
     ``<|im_end|>`` and the final newline). ``name``: one of :data:`LENGTH_TABLES`.
     """
     if name not in LENGTH_TABLES:
-        raise ValueError(f"name: expected one of {list(LENGTH_TABLES)}; got {name!r}")
+        raise InputError(f"name: expected one of {list(LENGTH_TABLES)}; got {name!r}")
     with np.load(ASSETS_DIR / "lengths" / f"{name}.qwen3_lengths.npz") as table:
         return {key: table[key] for key in table.files}

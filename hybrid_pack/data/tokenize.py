@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from hybrid_pack.collate import IGNORE_INDEX
 from hybrid_pack.data.chat_format import Chat, RenderedChat, format_chat
 from hybrid_pack.data.tokenizer import load_tokenizer
+from hybrid_pack.errors import InputError
+from hybrid_pack.schema import IGNORE_INDEX, INPUT_IDS, LABELS
 
 __all__ = ["tokenize_chats"]
 
@@ -36,10 +37,10 @@ def tokenize_chats(
         where the token overlaps an assistant span, ``-100`` elsewhere.
     """
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
-        raise ValueError(f"max_length: expected a positive int or None; got {max_length!r}")
+        raise InputError(f"max_length: expected a positive int or None; got {max_length!r}")
     tokenizer = load_tokenizer() if tokenizer is None else tokenizer
     if tokenizer.padding is not None or tokenizer.truncation is not None:
-        raise ValueError("tokenizer: expected padding and truncation off (they would change the ids); call "
+        raise InputError("tokenizer: expected padding and truncation off (they would change the ids); call "
                          "tokenizer.no_padding() and tokenizer.no_truncation(), or use max_length here")
     rendered = [format_chat(chat, empty_think=empty_think) for chat in chats]
     encodings = tokenizer.encode_batch([chat.text for chat in rendered], add_special_tokens=False)
@@ -47,7 +48,7 @@ def tokenize_chats(
     for chat, encoding in zip(rendered, encodings):
         input_ids = np.asarray(encoding.ids, dtype=np.int64)[:max_length]
         labels = np.where(_trained_tokens(chat, encoding)[:max_length], input_ids, IGNORE_INDEX)
-        features.append({"input_ids": input_ids.tolist(), "labels": labels.tolist()})
+        features.append({INPUT_IDS: input_ids.tolist(), LABELS: labels.tolist()})
     return features
 
 

@@ -23,6 +23,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+from hybrid_pack.errors import InputError
+
 __all__ = ["HybridConfig", "MIXER_LETTERS", "MIXER_NAMES"]
 
 MIXER_LETTERS = {"G": "gated_deltanet", "M": "mamba2", "A": "attention"}
@@ -39,7 +41,7 @@ def _pattern_letters(pattern: str | list[str] | tuple[str, ...]) -> str:
         letters = pattern.replace(" ", "").upper()
         bad = sorted(set(letters) - set(MIXER_LETTERS))
         if bad:
-            raise ValueError(f"layer_pattern: expected letters from {sorted(MIXER_LETTERS)} "
+            raise InputError(f"layer_pattern: expected letters from {sorted(MIXER_LETTERS)} "
                              f"(G = Gated DeltaNet, M = Mamba-2, A = attention); got {bad} in {pattern!r}")
         return letters
     if isinstance(pattern, (list, tuple)):
@@ -47,10 +49,10 @@ def _pattern_letters(pattern: str | list[str] | tuple[str, ...]) -> str:
         for name in pattern:
             key = str(name).lower()
             if key not in MIXER_NAMES:
-                raise ValueError(f"layer_pattern: unknown mixer {name!r}; expected one of {sorted(MIXER_NAMES)}")
+                raise InputError(f"layer_pattern: unknown mixer {name!r}; expected one of {sorted(MIXER_NAMES)}")
             letters.append(MIXER_NAMES[key])
         return "".join(letters)
-    raise ValueError(f"layer_pattern: expected a string like 'GGGA' or a list of mixer names; "
+    raise InputError(f"layer_pattern: expected a string like 'GGGA' or a list of mixer names; "
                      f"got {type(pattern).__name__}")
 
 
@@ -135,15 +137,15 @@ class HybridConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range or inconsistent."""
         if not self.layer_pattern:
-            raise ValueError("layer_pattern: expected at least one layer, e.g. 'GGGA'")
+            raise InputError("layer_pattern: expected at least one layer, e.g. 'GGGA'")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{f.name}: expected an int; got {value!r}")
+                raise InputError(f"{f.name}: expected an int; got {value!r}")
             if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"{f.name}: expected a number; got {value!r}")
+                raise InputError(f"{f.name}: expected a number; got {value!r}")
             if f.type == "bool" and not isinstance(value, bool):
-                raise ValueError(f"{f.name}: expected true or false; got {value!r}")
+                raise InputError(f"{f.name}: expected true or false; got {value!r}")
         positive = ["vocab_size", "hidden_size", "intermediate_size", "rms_norm_eps", "initializer_range",
                     "rope_theta"]
         uses = set(self.layer_pattern)
@@ -158,24 +160,24 @@ class HybridConfig:
             positive += ["num_experts_per_tok", "moe_intermediate_size"]
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a positive value; got {getattr(self, name)!r}")
+                raise InputError(f"{name}: expected a positive value; got {getattr(self, name)!r}")
         for name in ("num_experts", "shared_expert_intermediate_size"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected an int >= 0; got {getattr(self, name)!r}")
+                raise InputError(f"{name}: expected an int >= 0; got {getattr(self, name)!r}")
         if "A" in uses:
             if self.num_attention_heads % self.num_key_value_heads:
-                raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads="
+                raise InputError(f"num_key_value_heads: expected a divisor of num_attention_heads="
                                  f"{self.num_attention_heads}; got {self.num_key_value_heads}")
             if self.head_dim % 2:
-                raise ValueError(f"head_dim: expected an even size (RoPE rotates pairs); got {self.head_dim}")
+                raise InputError(f"head_dim: expected an even size (RoPE rotates pairs); got {self.head_dim}")
         if "G" in uses and self.gdn_num_v_heads % self.gdn_num_k_heads:
-            raise ValueError(f"gdn_num_v_heads: expected a multiple of gdn_num_k_heads={self.gdn_num_k_heads}; "
+            raise InputError(f"gdn_num_v_heads: expected a multiple of gdn_num_k_heads={self.gdn_num_k_heads}; "
                              f"got {self.gdn_num_v_heads}")
         if "M" in uses and self.mamba_num_heads % self.mamba_num_groups:
-            raise ValueError(f"mamba_num_groups: expected a divisor of mamba_num_heads={self.mamba_num_heads}; "
+            raise InputError(f"mamba_num_groups: expected a divisor of mamba_num_heads={self.mamba_num_heads}; "
                              f"got {self.mamba_num_groups}")
         if self.is_moe and self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"num_experts_per_tok: expected at most num_experts={self.num_experts}; "
+            raise InputError(f"num_experts_per_tok: expected at most num_experts={self.num_experts}; "
                              f"got {self.num_experts_per_tok}")
 
     # --------------------------------------------------------- serialisation
@@ -188,7 +190,7 @@ class HybridConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{unknown[0]}: not a HybridConfig field; fields are {sorted(known)}")
+            raise InputError(f"{unknown[0]}: not a HybridConfig field; fields are {sorted(known)}")
         return cls(**data)
 
     def to_json_string(self) -> str:

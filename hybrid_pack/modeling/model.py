@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.loss import packed_loss
 from hybrid_pack.modeling.attention import Attention
 from hybrid_pack.modeling.config import HybridConfig
@@ -24,6 +25,19 @@ from hybrid_pack.modeling.mamba2 import Mamba2
 from hybrid_pack.modeling.mlp import build_mlp
 from hybrid_pack.modeling.norm import GatedRMSNorm, RMSNorm
 from hybrid_pack.modeling.rope import RotaryEmbedding
+from hybrid_pack.schema import (
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    INPUTS_EMBEDS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    NUM_PAD_TOKENS,
+    POSITION_IDS,
+    PRIMARY_BOUNDARY_KEYS,
+    SECONDARY_BOUNDARY_KEYS,
+    SEQ_IDX,
+)
 
 __all__ = ["CausalLMOutput", "HybridDecoderLayer", "HybridModel", "HybridForCausalLM"]
 
@@ -90,22 +104,18 @@ class HybridModel(nn.Module):
         return self.norm(hidden_states)
 
 
-PRIMARY_KEYS = ("cu_seq_lens_q", "seq_idx", "position_ids")
-SECONDARY_KEYS = ("cu_seq_lens_k", "max_length_q", "max_length_k", "num_pad_tokens")
-
-
 def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoundaries:
     """Boundaries from the collator keys in ``batch``, or one document per row when there are none."""
-    if all(batch.get(key) is None for key in PRIMARY_KEYS):
-        given = [key for key in SECONDARY_KEYS if batch.get(key) is not None]
-        given = [key for key in given if not (key == "num_pad_tokens" and batch[key] == 0)]
+    if all(batch.get(key) is None for key in PRIMARY_BOUNDARY_KEYS):
+        given = [key for key in SECONDARY_BOUNDARY_KEYS if batch.get(key) is not None]
+        given = [key for key in given if not (key == NUM_PAD_TOKENS and batch[key] == 0)]
         if given:
-            raise ValueError(f"{given[0]}: given without cu_seq_lens_q, seq_idx or position_ids, which say where "
-                             "the documents start; pass the whole PackingCollator batch")
+            raise BoundaryError(f"{given[0]}: given without {', '.join(PRIMARY_BOUNDARY_KEYS)}, which say where "
+                                "the documents start; pass the whole PackingCollator batch")
         return PackedBoundaries.from_lengths([tokens] * rows)
     if rows != 1:
-        raise ValueError(f"input_ids: a packed batch is one row [1, T] (PackingCollator flattens the batch); "
-                         f"got {rows} rows together with boundary keys")
+        raise BoundaryError(f"{INPUT_IDS}: a packed batch is one row [1, T] (PackingCollator flattens the batch); "
+                            f"got {rows} rows together with boundary keys")
     return PackedBoundaries.from_batch(batch)
 
 
@@ -178,27 +188,27 @@ class HybridForCausalLM(nn.Module):
             :class:`CausalLMOutput` with ``logits`` ``[B, T, vocab_size]`` and ``loss`` (None without labels).
         """
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("input_ids: expected exactly one of input_ids or inputs_embeds")
+            raise InputError("input_ids: expected exactly one of input_ids or inputs_embeds")
         if attention_mask is not None:
-            raise ValueError("attention_mask: not supported; pass a padding-free packed row with its boundary keys "
+            raise InputError("attention_mask: not supported; pass a padding-free packed row with its boundary keys "
                              "(cu_seq_lens_q / seq_idx / position_ids) as PackingCollator builds it")
         source = input_ids if inputs_embeds is None else inputs_embeds
         if source.dim() != (2 if inputs_embeds is None else 3):
-            name = "input_ids" if inputs_embeds is None else "inputs_embeds"
-            raise ValueError(f"{name}: expected shape {'[B, T]' if inputs_embeds is None else '[B, T, hidden]'}; "
+            name = INPUT_IDS if inputs_embeds is None else INPUTS_EMBEDS
+            raise InputError(f"{name}: expected shape {'[B, T]' if inputs_embeds is None else '[B, T, hidden]'}; "
                              f"got {list(source.shape)}")
         rows, tokens = source.shape[:2]
         if boundaries is None:
             unknown = [key for key in kwargs if key.startswith(("cu_seq", "seq_", "max_len"))]
             if unknown:
-                raise ValueError(f"{unknown[0]}: not a boundary key this model reads; use the PackingCollator "
+                raise InputError(f"{unknown[0]}: not a boundary key this model reads; use the PackingCollator "
                                  "keys (cu_seq_lens_q, seq_idx, position_ids, ...)")
-            batch = {"position_ids": position_ids, "seq_idx": seq_idx, "cu_seq_lens_q": cu_seq_lens_q,
-                     "cu_seq_lens_k": cu_seq_lens_k, "max_length_q": max_length_q,
-                     "max_length_k": max_length_k, "num_pad_tokens": num_pad_tokens}
+            batch = {POSITION_IDS: position_ids, SEQ_IDX: seq_idx, CU_SEQ_LENS_Q: cu_seq_lens_q,
+                     CU_SEQ_LENS_K: cu_seq_lens_k, MAX_LENGTH_Q: max_length_q, MAX_LENGTH_K: max_length_k,
+                     NUM_PAD_TOKENS: num_pad_tokens}
             boundaries = _boundaries_for(batch, rows, tokens)
         if boundaries.total_tokens != rows * tokens:
-            raise ValueError(f"boundaries: expected {rows * tokens} tokens (the input's); "
+            raise InputError(f"boundaries: expected {rows * tokens} tokens (the input's); "
                              f"got {boundaries.total_tokens}")
         if boundaries.device != source.device:
             boundaries = boundaries.to(source.device)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.modeling.precision import upcast
 
 __all__ = ["RMSNorm", "GatedRMSNorm"]
@@ -45,7 +46,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         group_size = dim if group_size is None else group_size
         if dim % group_size:
-            raise ValueError(f"group_size: expected a divisor of dim={dim}; got {group_size}")
+            raise InputError(f"group_size: expected a divisor of dim={dim}; got {group_size}")
         self.eps = eps
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate

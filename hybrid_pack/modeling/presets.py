@@ -12,6 +12,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.modeling.config import HybridConfig
 from hybrid_pack.modeling.model import HybridForCausalLM
 
@@ -43,7 +44,7 @@ def preset_config(name: str, **overrides: Any) -> HybridConfig:
     else:
         names = list_presets()
         if name not in names:
-            raise ValueError(f"name: unknown preset {name!r}; presets are {names} (or pass a path to a .json config)")
+            raise InputError(f"name: unknown preset {name!r}; presets are {names} (or pass a path to a .json config)")
         data = json.loads(_preset_dir().joinpath(f"{name}.json").read_text())
     return HybridConfig.from_dict({**data, **overrides})
 

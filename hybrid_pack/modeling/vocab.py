@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from hybrid_pack.errors import InputError
+
 __all__ = ["VocabRemap", "UNK_ID"]
 
 UNK_ID = 0
@@ -35,9 +37,9 @@ class VocabRemap:
     def __init__(self, kept_ids: Sequence[int] | np.ndarray) -> None:
         kept = np.asarray(kept_ids, dtype=np.int64)
         if kept.ndim != 1 or kept.size == 0:
-            raise ValueError(f"kept_ids: expected a non-empty 1-D list of token ids; got shape {list(kept.shape)}")
+            raise InputError(f"kept_ids: expected a non-empty 1-D list of token ids; got shape {list(kept.shape)}")
         if (kept < 0).any() or np.unique(kept).size != kept.size:
-            raise ValueError("kept_ids: expected distinct token ids >= 0")
+            raise InputError("kept_ids: expected distinct token ids >= 0")
         self.kept_ids = kept
         self._to_compact = np.full(int(kept.max()) + 1, UNK_ID, dtype=np.int64)
         self._to_compact[kept] = np.arange(1, kept.size + 1)
@@ -51,7 +53,7 @@ class VocabRemap:
     def from_corpus(cls, sequences: Iterable[Sequence[int] | np.ndarray], size: int) -> VocabRemap:
         """Keep the ``size - 1`` most frequent ids of ``sequences`` (ties: lower id first)."""
         if size < 2:
-            raise ValueError(f"size: expected at least 2 (<unk> plus one token); got {size}")
+            raise InputError(f"size: expected at least 2 (<unk> plus one token); got {size}")
         counts = np.zeros(0, dtype=np.int64)
         for seq in sequences:
             c = np.bincount(np.asarray(seq, dtype=np.int64))
@@ -60,7 +62,7 @@ class VocabRemap:
             counts[: c.size] += c
         used = np.flatnonzero(counts)
         if used.size == 0:
-            raise ValueError("sequences: expected at least one token")
+            raise InputError("sequences: expected at least one token")
         order = used[np.argsort(-counts[used], kind="stable")]
         return cls(order[: size - 1])
 
@@ -75,7 +77,7 @@ class VocabRemap:
         """Compact ids -> tokenizer ids; ``<unk>`` becomes ``unk_token_id``; -100 stays -100."""
         arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64)
         if (arr >= self.size).any():
-            raise ValueError(f"ids: expected compact ids below size={self.size}; got {int(arr.max())}")
+            raise InputError(f"ids: expected compact ids below size={self.size}; got {int(arr.max())}")
         table = np.concatenate([[unk_token_id], self.kept_ids])
         out = np.where(arr < 0, arr, table[np.clip(arr, 0, None)])
         return _like(ids, out)

@@ -1,9 +1,9 @@
-"""Boundary-safe ops (SPEC §4): every op takes a packed ``[1, T, ...]`` row and its
+"""Boundary-safe ops (docs/api.md §4): every op takes a packed ``[1, T, ...]`` row and its
 :class:`~hybrid_pack.PackedBoundaries`, and never lets one document see another.
 
-Backends: ``hybrid_pack.ops.torch`` (pure torch, exact, CPU and GPU, the oracles) and
-``hybrid_pack.ops.kernels`` (adapters to flash-attn, flash-linear-attention, causal-conv1d,
-mamba-ssm), chosen by :mod:`hybrid_pack.backends`.
+One folder per op (``attention/``, ``conv/``, ``gated_delta/``, ``ssd/``) holds its public function,
+its pure-torch backend (exact, CPU and GPU: the oracle), its kernel adapters, their registration and
+the op's self-check contract; ``dispatch/`` chooses the backend of each call (docs/api.md §5, §5a).
 """
 
 from hybrid_pack.ops.attention import varlen_attention

@@ -5,30 +5,31 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
 
 
 def check_packed(name: str, x: torch.Tensor, boundaries: PackedBoundaries, ndim: int) -> None:
     """Raise ValueError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and T = boundaries.total_tokens."""
     if not isinstance(boundaries, PackedBoundaries):
-        raise ValueError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)); "
+        raise InputError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)); "
                          f"got {type(boundaries).__name__}")
     if x.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims [1, T, ...]; got shape {list(x.shape)}")
+        raise InputError(f"{name}: expected {ndim} dims [1, T, ...]; got shape {list(x.shape)}")
     if x.shape[0] != 1:
-        raise ValueError(f"{name}: expected batch size 1 (packed rows are [1, T, ...]; pack the batch with "
+        raise InputError(f"{name}: expected batch size 1 (packed rows are [1, T, ...]; pack the batch with "
                          f"PackingCollator); got shape {list(x.shape)}")
     if x.device != boundaries.device:
-        raise ValueError(f"boundaries: on {boundaries.device} but {name} is on {x.device}; "
+        raise InputError(f"boundaries: on {boundaries.device} but {name} is on {x.device}; "
                          f"move them with boundaries.to({name}.device)")
     if x.shape[1] != boundaries.total_tokens:
-        raise ValueError(f"{name}: expected T = {boundaries.total_tokens} tokens (boundaries.total_tokens); "
+        raise InputError(f"{name}: expected T = {boundaries.total_tokens} tokens (boundaries.total_tokens); "
                          f"got shape {list(x.shape)}")
 
 
 def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) -> None:
     """Raise ValueError unless ``x`` (when given) has exactly the ``expected`` shape."""
     if x is not None and tuple(x.shape) != tuple(expected):
-        raise ValueError(f"{name}: expected shape {list(expected)}; got {list(x.shape)}")
+        raise InputError(f"{name}: expected shape {list(expected)}; got {list(x.shape)}")
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

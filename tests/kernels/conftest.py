@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_pack.ops.dispatch.selector import VERIFY_ENV
+
 PACKAGES = ("triton", "fla", "mamba_ssm", "causal_conv1d")
 HERE = Path(__file__).parent
 
@@ -31,9 +33,16 @@ if SKIP_REASON and os.environ.get("HYBRID_PACK_REQUIRE_KERNELS") == "1":
     raise pytest.UsageError(f"HYBRID_PACK_REQUIRE_KERNELS=1 but the tier cannot run: {SKIP_REASON}")
 
 if not SKIP_REASON:
-    from hybrid_pack.ops.kernels.triton_cpu import enable_cpu_interpreter
+    from hybrid_pack.testing.triton_cpu import enable_cpu_interpreter
 
     enable_cpu_interpreter()
+
+
+@pytest.fixture
+def without_selfcheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapter tests compare each kernel with the torch backend themselves; in the interpreter the self-check
+    would repeat that comparison at several minutes per signature (tests/kernels/test_selfcheck.py runs it)."""
+    monkeypatch.setenv(VERIFY_ENV, "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,8 +9,9 @@ import torch
 
 from hybrid_pack.backends import available, get_backend, resolve, select, use_backends
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule
-from hybrid_pack.ops.kernels.causal_conv1d import conv_accepts
-from hybrid_pack.ops.kernels.triton_cpu import cpu_interpreter_enabled, enable_cpu_interpreter
+from hybrid_pack.ops.conv.kernel_causal_conv1d import conv_accepts
+from hybrid_pack.ops.triton_device import cpu_interpreter_enabled
+from hybrid_pack.testing.triton_cpu import enable_cpu_interpreter
 from tests.kernels.layouts import assert_close, boundaries_of
 
 pytestmark = pytest.mark.kernels
@@ -85,7 +86,7 @@ def test_mamba_ssm_refuses_inputs_it_would_get_wrong(inputs: dict, reason: str) 
 
 
 def test_mamba_ssm_adapter_never_drops_initial_states() -> None:
-    from hybrid_pack.ops.kernels.mamba_ssm import mamba2_ssd as mamba_ssm_adapter
+    from hybrid_pack.ops.ssd.kernel_mamba_ssm import mamba2_ssd as mamba_ssm_adapter
 
     b = boundaries_of("long_next_to_short")
     x = torch.randn(1, b.total_tokens, 1, 2)

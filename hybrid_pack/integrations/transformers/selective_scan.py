@@ -2,7 +2,7 @@
 
 ``h_t = exp(dt_t A) ⊙ h_{t-1} + (dt_t x_t) B_t^T``, ``y_t = h_t C_t + D x_t``, with ``h`` of shape
 ``[D, N]`` per token. Every segment of the packed row becomes one row of a ``[S, L]`` layout
-(:func:`hybrid_pack.ops.torch.chunks.chunk_layout` with ``L = max_seqlen``), so all documents run in
+(:meth:`PackedBoundaries.chunk_layout` with ``L = max_seqlen``), so all documents run in
 parallel and the loop runs ``max_seqlen`` steps; a segment's state starts at zero in its row.
 """
 
@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.ops.torch.chunks import chunk_layout
 
 __all__ = ["selective_scan"]
 
@@ -40,7 +39,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         dt = dt + dt_bias
     if dt_softplus:
         dt = F.softplus(dt)
-    layout = chunk_layout(boundaries, boundaries.max_seqlen)
+    layout = boundaries.chunk_layout(boundaries.max_seqlen)
     xs, dts, Bs, Cs = (layout.to_chunks(t[0].to(dtype)) for t in (x, dt, B, C))  # [S, L, D] / [S, L, N]
     decay = torch.exp(dts.unsqueeze(-1) * A.to(dtype))                          # [S, L, D, N]
     inject = (dts * xs).unsqueeze(-1) * Bs.unsqueeze(-2)                         # [S, L, D, N]

@@ -1,0 +1,52 @@
+"""The table a person reads: per op, the backend chosen here and why not each other one."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
+from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
+from hybrid_pack.ops.dispatch.selector import select, verdict_for, verification_enabled
+from hybrid_pack.ops.dispatch.status import default_device
+from hybrid_pack.ops.dispatch.verdicts import cache_dir, device_name
+
+__all__ = ["report"]
+
+
+def _status(op: str, name: str, chosen: str, device: torch.device, dtype: torch.dtype) -> str:
+    backend = next(b for b in backends_of(op) if b.name == name)
+    why = backend.reason(device, dtype, True)
+    if why:
+        return f"no: {why}"
+    if backend.reference:
+        return "CHOSEN (pure torch)" if name == chosen else "ok (pure torch, the fallback)"
+    if not verification_enabled():
+        return "CHOSEN (unchecked: HYBRID_PACK_VERIFY=0)" if name == chosen else "ok (lower priority, unchecked)"
+    signature = contract_of(op).default_signature(dtype, device.type)
+    if name != chosen and backend.priority < next(b.priority for b in backends_of(op) if b.name == chosen):
+        return "ok (lower priority; not checked)"
+    verdict = verdict_for(backend, signature, device, True)
+    if verdict is None or not verdict.ok:
+        return f"no: {verdict.reason if verdict is not None else 'not checked'}"
+    return f"CHOSEN (self-check passed: max error {verdict.max_error:.1e}, {verdict.seconds:.2f} s)"
+
+
+def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """Per op: the backend chosen for a typical call with backward, and every alternative with why not.
+
+    Choosing checks the kernels it would pick (cached on disk per environment); lower-priority ones are
+    left unchecked (``hybrid-pack backends --verify`` checks them all).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    check = f"self-check on, results kept in {cache_dir()}" if verification_enabled() else "self-check OFF"
+    lines = [f"hybrid_pack backends on {device_name(device)}, {dtype_name(dtype)}, with backward ({check})", ""]
+    header = f"{'op':<12} {'backend':<14} {'boundaries via':<22} status"
+    lines += [header, "-" * len(header)]
+    for op in registered_ops():
+        chosen = select(op, device=device, dtype=dtype, requires_grad=True)
+        for backend in backends_of(op):
+            lines.append(f"{op:<12} {backend.name:<14} {backend.boundary_arg:<22} "
+                         f"{_status(op, backend.name, chosen, device, dtype)}")
+        typical = signature_text(contract_of(op).default_signature(dtype, device.type))
+        lines.append(f"{'':<12} (typical call: {typical})")
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""torch flex attention adapter: a document mask over a row padded to a static, block-aligned length.
+
+``torch.compile(flex_attention)`` compiles one kernel per input shape; a packed row's length changes
+from batch to batch, and a symbolic (dynamic) length is what failed to find a kernel configuration
+on an H100. So the row is padded to a *bucket*: the next power of two of at least one 128-token
+block. A handful of buckets covers every length, each compiled once with ``dynamic=False``. The
+padding is a segment of its own (it attends only to itself), and its outputs are dropped.
+
+The block mask is built on the host from the segment lengths (which 128-token blocks of queries
+meet which blocks of keys, and which of those lie wholly inside one document) and kept on the
+:class:`PackedBoundaries` it belongs to: no dense ``[T, T]`` mask is ever built, and blocks that
+straddle no document are skipped. ``mask_mod`` (same segment, and causal) refines the partial blocks.
+On CPU flex attention runs eagerly (it materialises the scores: a check, not a fast path).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from hybrid_pack.boundaries import PackedBoundaries
+
+__all__ = ["varlen_attention", "document_block_mask", "bucket_length", "BLOCK"]
+
+BLOCK = 128  # the block mask's granularity, a multiple of every kernel tile flex attention picks
+
+
+def bucket_length(total_tokens: int) -> int:
+    """The static length a row of ``total_tokens`` is padded to: a power of two, at least one block."""
+    return max(BLOCK, 1 << (total_tokens - 1).bit_length())
+
+
+def _block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool) -> tuple[np.ndarray, ...]:
+    """``(partial_counts, partial_indices, full_counts, full_indices)`` of the block mask, as numpy.
+
+    Query block ``i`` meets key block ``j`` when some token of ``i`` and some token of ``j`` share a segment
+    (and ``j <= i`` when causal); the pair is *full* when both blocks lie in one segment and, causal, ``j < i``.
+    """
+    lengths = np.asarray(segment_lengths, dtype=np.int64)
+    segment = np.repeat(np.arange(lengths.size + 1), np.append(lengths, length - lengths.sum()))
+    blocks = length // BLOCK
+    first, last = segment[::BLOCK], segment[BLOCK - 1::BLOCK]
+    meet = (first[None, :] <= last[:, None]) & (first[:, None] <= last[None, :])
+    full = meet & (first == last)[:, None] & (first == last)[None, :]
+    if causal:
+        below = np.tril(np.ones((blocks, blocks), dtype=bool))
+        meet &= below
+        full &= np.tril(below, -1)
+    partial = meet & ~full
+
+    def table(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(~selected, axis=1, kind="stable")  # selected key blocks first, in order
+        return selected.sum(1).astype(np.int32), order.astype(np.int32)
+
+    return (*table(partial), *table(full))
+
+
+def document_block_mask(boundaries: PackedBoundaries, causal: bool) -> BlockMask:
+    """The block mask keeping every token of the bucket-padded row inside its own segment (kept on ``boundaries``)."""
+    length = bucket_length(boundaries.total_tokens)
+
+    def build() -> BlockMask:
+        device = boundaries.device
+        pad = length - boundaries.total_tokens
+        seq_idx = F.pad(boundaries.seq_idx[0], (0, pad), value=boundaries.num_segments)
+
+        def same_segment(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            keep = seq_idx[q_idx] == seq_idx[kv_idx]
+            return keep & (q_idx >= kv_idx) if causal else keep
+
+        tables = [torch.from_numpy(t)[None, None].to(device)
+                  for t in _block_tables(boundaries.segment_lengths, length, causal)]
+        return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=BLOCK, mask_mod=same_segment, seq_lengths=(length, length))
+
+    return boundaries.view(("flex_block_mask", causal, length), build)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _attend(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The compiled kernel on CUDA; eager flex attention elsewhere."""
+    return _compiled_flex_attention() if device.type == "cuda" else flex_attention
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
+                     causal: bool, softmax_scale: float) -> torch.Tensor:
+    """:func:`hybrid_pack.ops.varlen_attention` through ``flex_attention(block_mask=document mask)``."""
+    total = boundaries.total_tokens
+    pad = bucket_length(total) - total
+    attend = _attend(q.device)
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q, k, v))
+    out = attend(q, k, v, block_mask=document_block_mask(boundaries, causal), scale=softmax_scale,
+                 enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[:, :total]

@@ -1,0 +1,40 @@
+"""Softmax attention within each document of a packed row (docs/api.md §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.attention.check import OP, signature_of
+from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
+                     causal: bool = True, softmax_scale: float | None = None,
+                     backend: str | None = None) -> torch.Tensor:
+    """Attention where each token sees only tokens of its own document.
+
+    Args:
+        q: ``[1, T, H, D]``.
+        k, v: ``[1, T, Hkv, D]`` with ``H % Hkv == 0`` (grouped-query attention).
+        boundaries: where the documents of the row start.
+        causal: mask future tokens.
+        softmax_scale: defaults to ``D ** -0.5``.
+        backend: force a backend (see :mod:`hybrid_pack.backends`).
+
+    Returns:
+        ``[1, T, H, D]`` in the dtype of ``q``.
+    """
+    check_packed("q", q, boundaries, 4)
+    check_packed("k", k, boundaries, 4)
+    check_shape("v", v, k.shape)
+    if q.shape[-1] != k.shape[-1]:
+        raise InputError(f"k: expected head dim {q.shape[-1]} (that of q); got shape {list(k.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype, requires_grad=needs_grad(q, k, v),
+                   inputs={"q": q, "k": k, "v": v, "causal": causal}, signature=signature_of(q, k, v, causal))
+    return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)

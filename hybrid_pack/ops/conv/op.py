@@ -1,0 +1,39 @@
+"""Depthwise causal 1-D convolution whose taps never cross a document boundary (docs/api.md §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
+from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, boundaries: PackedBoundaries,
+                  *, activation: str | None = None, backend: str | None = None) -> torch.Tensor:
+    """``y[t, d] = act(bias[d] + sum_i weight[d, i] * x[t - W + 1 + i, d])`` over taps in t's own document.
+
+    Args:
+        x: ``[1, T, D]``.
+        weight: ``[D, W]``.
+        bias: ``[D]`` or None.
+        boundaries: where the documents of the row start.
+        activation: None or ``"silu"`` (``"swish"`` is the same).
+        backend: force a backend (see :mod:`hybrid_pack.backends`).
+
+    Returns:
+        ``[1, T, D]`` in the dtype of ``x``.
+    """
+    check_packed("x", x, boundaries, 3)
+    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        raise InputError(f"weight: expected shape [D={x.shape[-1]}, W]; got {list(weight.shape)}")
+    check_shape("bias", bias, (x.shape[-1],))
+    if activation not in ACTIVATIONS:
+        raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
+    activation = "silu" if activation == "swish" else activation
+    impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=needs_grad(x, weight, bias),
+                   inputs={"x": x, "weight": weight, "bias": bias, "activation": activation},
+                   signature=signature_of(x, weight, bias, activation))
+    return impl.fn(x, weight, bias, boundaries, activation=activation)

@@ -1,0 +1,128 @@
+"""One implementation of one op: what it needs to run, and why it cannot run here."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+__all__ = ["Backend", "FLOAT_DTYPES", "KERNEL_DTYPES"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    """One implementation of one op that keeps documents apart.
+
+    Attributes:
+        op: the op's name (``"attention"``, ``"conv"``, ``"gated_delta"``, ``"ssd"``, or a user's).
+        name: the name users force it by (``use_backends(conv="torch")``).
+        impl: the function, or ``"module:function"`` imported on first use; called as the public op
+            (docs/api.md §4) minus ``backend``: the op's tensors and ``boundaries`` positionally, the rest
+            as keywords.
+        priority: higher is tried first; the pure-torch backends are 0.
+        reference: a pure-torch backend (the oracle of the self-check); it serves without a check.
+        boundary_arg: how the kernel is told where documents start (shown in reports).
+        requires: importable module names the backend needs.
+        devices: device types it runs on.
+        dtypes: input dtypes it takes.
+        backward: whether it has a backward pass.
+        probe: extra environment check (versions, drivers): "" when fine, else the reason. Asked once.
+        device_probe: check of a device and dtype that can change at run time (Triton kernels on CPU
+            need the interpreter): "" when fine, else the reason. Asked every time.
+        accepts: per-call input check (widths, head dims...): "" when the kernel takes these inputs with
+            boundaries, else the reason. Gets the op's inputs by name.
+    """
+
+    op: str
+    name: str
+    impl: Callable[..., Any] | str
+    priority: int
+    reference: bool = False
+    boundary_arg: str = ""
+    requires: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES
+    backward: bool = True
+    probe: Callable[[], str] | None = None
+    device_probe: Callable[[torch.device, torch.dtype], str] | None = None
+    accepts: Callable[[Mapping[str, Any]], str] | None = None
+    _reasons: dict[tuple[str, torch.dtype, bool], str] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def fn(self) -> Callable[..., Any]:
+        if callable(self.impl):
+            return self.impl
+        module, name = self.impl.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Names the code that runs: module, function, and a hash of its source and of the values it closes
+        over or is bound to (a check result kept on disk is reused for this exact code only)."""
+        fn = self.fn
+        target = getattr(fn, "func", fn)  # functools.partial
+        try:
+            source = inspect.getsource(target)
+        except (OSError, TypeError):
+            source = repr(target)
+        bound = [getattr(fn, "args", ()), getattr(fn, "keywords", {})]
+        for cell in getattr(target, "__closure__", None) or ():
+            try:
+                bound.append(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                bound.append(None)
+        digest = hashlib.sha1((source + repr(bound)).encode()).hexdigest()[:12]
+        return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}@{digest}"
+
+    @cached_property
+    def environment_reason(self) -> str:
+        """Why this backend cannot run in this Python environment at all ("" when it can)."""
+        for module in self.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return f"package '{module}' is not installed"
+        return self.probe() if self.probe is not None else ""
+
+    def reason(self, device: torch.device, dtype: torch.dtype, requires_grad: bool) -> str:
+        """Why this backend cannot run on these inputs ("" when it can), before any self-check.
+
+        The static checks are cached per combination; ``device_probe`` is asked every time.
+        """
+        key = (device.type, dtype, requires_grad)
+        if key not in self._reasons:
+            self._reasons[key] = (
+                self.environment_reason
+                or (f"runs on {'/'.join(self.devices)}, not {device.type}" if device.type not in self.devices else "")
+                or (f"does not take {str(dtype).removeprefix('torch.')}" if dtype not in self.dtypes else "")
+                or ("has no backward pass" if requires_grad and not self.backward else "")
+            )
+        if self._reasons[key] or self.device_probe is None:
+            return self._reasons[key]
+        return self.device_probe(device, dtype)
+
+    @property
+    def usable_here(self) -> str:
+        """"" if it can run on some device of this machine, else why not."""
+        if self.environment_reason:
+            return self.environment_reason
+        here = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        if not any(d in self.devices for d in here):
+            return f"needs a {'/'.join(self.devices)} device; this machine has {'/'.join(here)}"
+        if self.device_probe is not None:
+            reasons = [self.device_probe(torch.device(d), torch.float32) for d in here if d in self.devices]
+            if all(reasons):
+                return reasons[0]
+        return ""

@@ -1,0 +1,96 @@
+"""What the self-check must know of an op: the key of a call, and inputs for a check of that key.
+
+Each op declares one :class:`OpContract` beside its backends (``hybrid_pack/ops/<op>/check.py``).
+The *signature* of a call is what a kernel's correctness may depend on besides the tokens: head
+counts and dims, widths, chunk sizes, flags, and the dtype of every floating input. A backend is
+checked once per (device, signature, gradients needed); the check rebuilds inputs of exactly that
+signature on a short adversarial layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+
+__all__ = ["Signature", "CheckCase", "OpContract", "make_signature", "signature_text", "dtype_name", "random_tensor"]
+
+Signature = tuple[tuple[str, Any], ...]
+"""Sorted ``(name, value)`` pairs: sizes, flags and input dtypes (values are ints, bools, strings, None)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def make_signature(**items: Any) -> Signature:
+    """A signature from sizes, flags and dtypes (dtypes are stored by name)."""
+    return tuple(sorted((name, dtype_name(v) if isinstance(v, torch.dtype) else v) for name, v in items.items()))
+
+
+def random_tensor(shape: tuple[int, ...], dtype: str | torch.dtype, device: torch.device,
+                  generator: torch.Generator, *, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """``shift + scale * N(0, 1)`` drawn in float32 on the host from ``generator``, then cast and moved."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    values = torch.randn(shape, generator=generator, dtype=torch.float32) * scale + shift
+    return values.to(device=device, dtype=dtype)
+
+
+def signature_text(signature: Signature) -> str:
+    """``"D=64 H=4 causal=True q=bfloat16"``: a signature as people (and the on-disk cache) read it."""
+    return " ".join(f"{name}={value}" for name, value in signature)
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """The inputs of one call of an op, in the op's argument order.
+
+    Attributes:
+        arguments: every argument but ``boundaries``, by name, in the order of the op's signature.
+        positional: the names passed positionally (before ``boundaries``); the rest go as keywords.
+        token_inputs: names of per-token tensors ``[1, T, ...]``.
+        document_inputs: names of per-document tensors ``[N, ...]`` (initial states).
+    """
+
+    arguments: dict[str, Any]
+    positional: tuple[str, ...]
+    token_inputs: tuple[str, ...]
+    document_inputs: tuple[str, ...] = ()
+
+    def call(self, fn: Callable[..., Any], boundaries: PackedBoundaries, arguments: Mapping[str, Any] | None = None
+             ) -> Any:
+        """``fn(*positional, boundaries, **keywords)`` with these arguments (or replacements of them)."""
+        args = self.arguments if arguments is None else arguments
+        keywords = {name: value for name, value in args.items() if name not in self.positional}
+        return fn(*(args[name] for name in self.positional), boundaries, **keywords)
+
+
+@dataclass(frozen=True)
+class OpContract:
+    """The self-check's view of one op.
+
+    Attributes:
+        name: the op.
+        make_case: ``(signature, boundaries, generator) -> CheckCase``: inputs of that signature for a row with
+            these boundaries, every floating tensor in the dtype the signature names, on ``boundaries.device``.
+        outputs: ``result -> (token outputs [1, T, ...], document outputs [N, ...])``: what the op returned,
+            split into per-token tensors and per-document tensors (final states).
+        default_signature: ``(dtype, device type) -> signature`` of a typical call, for checks made without a
+            call (``select()``, ``verify()``): a model's sizes on CUDA, small ones on CPU (where kernels run
+            only in Triton's interpreter, a test path).
+        edge: ``signature -> tokens``: the block length whose edges the check's documents end on.
+        reach: ``signature -> tokens``: how far back one token reads within its document outside a recurrence
+            (a conv's width; 1 otherwise).
+    """
+
+    name: str
+    make_case: Callable[[Signature, PackedBoundaries, torch.Generator], CheckCase]
+    outputs: Callable[[Any], tuple[list[torch.Tensor], list[torch.Tensor]]]
+    default_signature: Callable[[torch.dtype, str], Signature]
+    edge: Callable[[Signature], int]
+    reach: Callable[[Signature], int] = lambda signature: 1

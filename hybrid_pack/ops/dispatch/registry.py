@@ -1,0 +1,118 @@
+"""The registry of ops (their self-check contracts) and of the backends of each op."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.backend import KERNEL_DTYPES, Backend
+from hybrid_pack.ops.dispatch.contract import OpContract
+from hybrid_pack.ops.dispatch.verdicts import forget
+
+__all__ = ["register_op", "registered_ops", "contract_of", "register", "unregister", "backends_of", "get_backend",
+           "reference_of"]
+
+_CONTRACTS: dict[str, OpContract] = {}
+_BACKENDS: dict[str, list[Backend]] = {}
+
+
+def register_op(contract: OpContract) -> None:
+    """Declare an op and how the self-check exercises it (each op folder does this once)."""
+    if contract.name in _CONTRACTS:
+        raise InputError(f"op: {contract.name!r} is already registered")
+    _CONTRACTS[contract.name] = contract
+    _BACKENDS[contract.name] = []
+
+
+def registered_ops() -> tuple[str, ...]:
+    """Every op's name, in registration order."""
+    return tuple(_CONTRACTS)
+
+
+def _check_op(op: str) -> None:
+    if op not in _CONTRACTS:
+        raise InputError(f"op: expected one of {list(_CONTRACTS)}; got {op!r}")
+
+
+def contract_of(op: str) -> OpContract:
+    _check_op(op)
+    return _CONTRACTS[op]
+
+
+def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] | str | None = None, *,
+             priority: int | None = None, devices: tuple[str, ...] = ("cuda",),
+             dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES, backward: bool = True, replace: bool = False,
+             **details: Any) -> Backend:
+    """Add a backend for ``op``: a user's own kernel, or a wrapper of one (docs/api.md §5a).
+
+    ``fn`` takes the op's arguments as in docs/api.md §4 (the tensors and ``boundaries`` positionally, the
+    rest as keywords, no ``backend``) and returns what the op returns. Before it serves a call it must pass
+    the self-check for that call's key; a higher ``priority`` is preferred (the pure-torch backends are 0).
+
+    Args:
+        op: the op, or a ready :class:`Backend` (then nothing else is given).
+        name: unique per op; what ``use_backends(op=name)`` forces.
+        fn: the function, or ``"module:function"`` imported on first use.
+        priority: required; higher is tried first.
+        devices: device types it runs on.
+        dtypes: input dtypes it takes.
+        backward: whether it has a backward pass (without one it serves calls that need no gradient).
+        replace: replace a backend of the same name instead of raising.
+        **details: the other :class:`Backend` fields (``requires``, ``accepts``, ``probe``, ``device_probe``,
+            ``boundary_arg``, ``reference``).
+
+    Returns:
+        The registered :class:`Backend`.
+    """
+    if isinstance(op, Backend):
+        backend = op
+    else:
+        if name is None or fn is None or priority is None:
+            raise InputError("register: expected register(op, name, fn, priority=...)")
+        backend = Backend(op=op, name=name, impl=fn, priority=int(priority), devices=tuple(devices),
+                          dtypes=tuple(dtypes), backward=backward, **details)
+    _check_op(backend.op)
+    existing = [b for b in _BACKENDS[backend.op] if b.name == backend.name]
+    if existing and not replace:
+        raise InputError(f"name: backend {backend.name!r} is already registered for op {backend.op!r} "
+                         "(pass replace=True to replace it)")
+    if existing:
+        unregister(backend.op, backend.name)
+    _BACKENDS[backend.op].append(backend)
+    _BACKENDS[backend.op].sort(key=lambda b: -b.priority)
+    forget(backend.op, backend.name)
+    return backend
+
+
+def unregister(op: str, name: str) -> Backend:
+    """Remove a backend (and forget its check results); returns it."""
+    backend = get_backend(op, name)
+    _BACKENDS[op].remove(backend)
+    forget(op, name)
+    return backend
+
+
+def backends_of(op: str) -> list[Backend]:
+    """The backends of ``op``, highest priority first."""
+    _check_op(op)
+    return list(_BACKENDS[op])
+
+
+def get_backend(op: str, name: str) -> Backend:
+    for b in backends_of(op):
+        if b.name == name:
+            return b
+    names = [b.name for b in backends_of(op)]
+    raise InputError(f"backend: {name!r} is not a backend of op {op!r}; choose one of {names}")
+
+
+def reference_of(op: str) -> Backend:
+    """The pure-torch backend of ``op``: the self-check's oracle and the fallback of last resort."""
+    for b in backends_of(op):
+        if b.reference:
+            return b
+    raise InputError(f"op: {op!r} has no reference (pure-torch) backend registered")
+

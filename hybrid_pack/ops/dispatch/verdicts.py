@@ -1,0 +1,165 @@
+"""Results of backend self-checks, kept for the process and on disk per environment.
+
+A result is valid for one environment: the versions of torch, triton, the kernel packages and
+hybrid_pack itself. Each environment has its own file under ``HYBRID_PACK_CACHE`` (default
+``~/.cache/hybrid_pack``), so an environment checks each kernel once, and an upgrade of any of
+them checks again. Inside a file, results are keyed by op, backend (and a hash of its code), the
+device's name, the call's signature and whether gradients were checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+__all__ = ["CheckResult", "VerdictKey", "remember", "recall", "forget", "results", "environment", "device_name",
+           "CACHE_ENV", "cache_dir"]
+
+CACHE_ENV = "HYBRID_PACK_CACHE"
+PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
+            "flash-attn")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One self-check of one backend (docs/api.md §5a).
+
+    Attributes:
+        op, backend: what was checked.
+        ok: it agreed with the pure-torch backend, packed agreed with alone, and no gradient crossed documents.
+        reason: why not ("" when ok).
+        max_error: the largest relative difference measured (to the reference, or packed to alone).
+        seconds: how long the check took.
+        device: the device's name.
+        dtype: the call's (lowest) floating dtype, which sets the tolerance.
+        signature: the call's signature (sizes, flags, dtypes) as text.
+        requires_grad: whether the backward pass was checked too.
+    """
+
+    op: str
+    backend: str
+    ok: bool
+    reason: str
+    max_error: float
+    seconds: float
+    device: str = ""
+    dtype: str = ""
+    signature: str = ""
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True)
+class VerdictKey:
+    """What a check result is valid for, within one environment."""
+
+    op: str
+    backend: str
+    fingerprint: str
+    device: str
+    signature: str
+    requires_grad: bool
+
+    def text(self) -> str:
+        return "|".join((self.op, self.backend, self.fingerprint, self.device, self.signature,
+                         "grad" if self.requires_grad else "forward"))
+
+
+def device_name(device: torch.device) -> str:
+    """``"cuda NVIDIA H100 80GB HBM3"``, ``"cpu"`` or ``"cpu (Triton interpreter)"``: what a result was measured on."""
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu (Triton interpreter)"
+    return device.type
+
+
+@functools.cache
+def environment() -> dict[str, str]:
+    """The versions a result depends on (a missing package is recorded as absent)."""
+    env = {"python": platform.python_version(), "cuda": str(torch.version.cuda)}
+    for package in PACKAGES:
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            env[package] = "absent"
+    return env
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybrid_pack")
+
+
+def _cache_file() -> Path:
+    digest = hashlib.sha1(json.dumps(environment(), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"backend-checks-{digest}.json"
+
+
+_memory: dict[VerdictKey, CheckResult] = {}
+_loaded_from: Path | None = None
+
+
+def _load() -> None:
+    """Read this environment's file once (again if ``HYBRID_PACK_CACHE`` changed)."""
+    global _loaded_from
+    path = _cache_file()
+    if _loaded_from == path:
+        return
+    _loaded_from = path
+    for text, record in _read(path).items():
+        op, backend, fingerprint, device, signature, grad = text.split("|")
+        key = VerdictKey(op, backend, fingerprint, device, signature, grad == "grad")
+        _memory.setdefault(key, CheckResult(**record))
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("results", {}) if isinstance(data, dict) else {}
+
+
+def recall(key: VerdictKey) -> CheckResult | None:
+    """The result for ``key`` from this process or this environment's file, or None."""
+    _load()
+    return _memory.get(key)
+
+
+def remember(key: VerdictKey, result: CheckResult, *, persist: bool = True) -> None:
+    """Keep ``result`` for the process and, with ``persist``, in this environment's file (merged, atomic)."""
+    _load()
+    _memory[key] = result
+    if not persist:
+        return
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        records = _read(path)
+        records[key.text()] = asdict(result)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump({"environment": environment(), "results": records}, tmp, indent=1, sort_keys=True)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass  # a read-only home: the result stays in memory
+
+
+def forget(op: str, backend: str) -> None:
+    """Drop this process's results for one backend (it was registered again or removed)."""
+    for key in [k for k in _memory if k.op == op and k.backend == backend]:
+        del _memory[key]
+
+
+def results(op: str | None = None, backend: str | None = None, fingerprint: str | None = None) -> list[CheckResult]:
+    """Every result known in this process (this environment's file included) for ``op`` / ``backend`` / code."""
+    _load()
+    return [r for k, r in _memory.items() if (op is None or k.op == op) and (backend is None or k.backend == backend)
+            and (fingerprint is None or k.fingerprint == fingerprint)]

@@ -1,0 +1,14 @@
+"""The gated delta rule's backends, highest priority first, and its self-check contract."""
+
+from hybrid_pack.ops.dispatch.backend import FLOAT_DTYPES, KERNEL_DTYPES
+from hybrid_pack.ops.dispatch.registry import register, register_op
+from hybrid_pack.ops.gated_delta.check import CONTRACT, OP
+from hybrid_pack.ops.gated_delta.kernel_fla import gated_delta_accepts
+from hybrid_pack.ops.triton_device import triton_device_reason
+
+register_op(CONTRACT)
+register(OP, "fla", "hybrid_pack.ops.gated_delta.kernel_fla:gated_delta_rule", priority=20, devices=("cpu", "cuda"),
+         dtypes=KERNEL_DTYPES, boundary_arg="cu_seqlens", requires=("fla", "triton"),
+         device_probe=triton_device_reason, accepts=gated_delta_accepts)
+register(OP, "torch", "hybrid_pack.ops.gated_delta.torch_backend:gated_delta_rule", priority=0,
+         devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, reference=True, boundary_arg="per-document chunks")

@@ -1,0 +1,57 @@
+"""The gated delta rule (Gated DeltaNet) with its state reset at every document start (docs/api.md §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.gated_delta.check import OP, signature_of
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     boundaries: PackedBoundaries, *, scale: float | None = None,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     use_qk_l2norm: bool = False, backend: str | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
+
+    ``S`` starts from zero (or ``initial_state[n]``) at the first token of each document ``n``.
+
+    Args:
+        q, k: ``[1, T, H, K]``.
+        v: ``[1, T, HV, V]`` with ``HV % H == 0`` (each q/k head serves ``HV // H`` value heads).
+        g: ``[1, T, HV]``, log decay (<= 0).
+        beta: ``[1, T, HV]``, write strength.
+        boundaries: where the documents of the row start.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` for the ``N = boundaries.num_docs`` documents (the padding
+            segment, if any, starts from zero).
+        output_final_state: also return each document's final state ``[N, HV, K, V]`` (float32; float64
+            for float64 inputs).
+        use_qk_l2norm: L2-normalise q and k over K first.
+        backend: force a backend (see :mod:`hybrid_pack.backends`).
+
+    Returns:
+        ``(o [1, T, HV, V] in v's dtype, final_state or None)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_packed(name, t, boundaries, 4)
+    check_shape("k", k, q.shape)
+    _, t_len, h, k_dim = q.shape
+    hv, v_dim = v.shape[2], v.shape[3]
+    if hv % h:
+        raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
+    check_shape("g", g, (1, t_len, hv))
+    check_shape("beta", beta, (1, t_len, hv))
+    check_shape("initial_state", initial_state, (boundaries.num_docs, hv, k_dim, v_dim))
+    scale = k_dim ** -0.5 if scale is None else float(scale)
+    impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype,
+                   requires_grad=needs_grad(q, k, v, g, beta, initial_state),
+                   inputs={"q": q, "k": k, "v": v, "g": g, "beta": beta},
+                   signature=signature_of(q, k, v, g, beta, initial_state=initial_state,
+                                          output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm))
+    return impl.fn(q, k, v, g, beta, boundaries, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)

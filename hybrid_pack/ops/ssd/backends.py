@@ -1,0 +1,14 @@
+"""The SSD scan's backends, highest priority first, and its self-check contract."""
+
+from hybrid_pack.ops.dispatch.backend import FLOAT_DTYPES, KERNEL_DTYPES
+from hybrid_pack.ops.dispatch.registry import register, register_op
+from hybrid_pack.ops.ssd.check import CONTRACT, OP
+from hybrid_pack.ops.ssd.kernel_mamba_ssm import ssd_accepts
+from hybrid_pack.ops.triton_device import triton_device_reason
+
+register_op(CONTRACT)
+register(OP, "mamba_ssm", "hybrid_pack.ops.ssd.kernel_mamba_ssm:mamba2_ssd", priority=20, devices=("cpu", "cuda"),
+         dtypes=KERNEL_DTYPES, boundary_arg="seq_idx", requires=("mamba_ssm", "triton"),
+         device_probe=triton_device_reason, accepts=ssd_accepts)
+register(OP, "torch", "hybrid_pack.ops.ssd.torch_backend:mamba2_ssd", priority=0, devices=("cpu", "cuda"),
+         dtypes=FLOAT_DTYPES, reference=True, boundary_arg="per-document chunks")

@@ -1,0 +1,67 @@
+"""The Mamba-2 state-space duality (SSD) scan with its state reset at every document start."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.ssd.check import OP, signature_of
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+
+
+def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               boundaries: PackedBoundaries, *, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+               dt_bias: torch.Tensor | None = None, dt_softplus: bool = True, chunk_size: int = 64,
+               initial_states: torch.Tensor | None = None, return_final_states: bool = False,
+               backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2 SSD: ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T``, ``y_t = C_t^T h_t + D x_t``.
+
+    ``dt`` is ``softplus(dt + dt_bias)`` when ``dt_softplus``, then clamped at 0 (as mamba-ssm's default
+    ``dt_limit``); ``y`` is gated by ``silu(z)`` when ``z``
+    is given. ``h`` starts from zero (or ``initial_states[n]``) at the first token of each document.
+
+    Args:
+        x: ``[1, T, H, P]``.
+        dt: ``[1, T, H]``.
+        A: ``[H]`` (negative).
+        B, C: ``[1, T, G, N]`` with ``H % G == 0``.
+        boundaries: where the documents of the row start.
+        D: ``[H]`` or ``[H, P]`` skip connection.
+        z: ``[1, T, H, P]`` gate.
+        dt_bias: ``[H]``.
+        chunk_size: the chunk length of the chunked scan (a speed knob; results do not depend on it).
+        initial_states: ``[N, H, P, N_state]`` for the ``N = boundaries.num_docs`` documents.
+        return_final_states: also return each document's final state ``[N, H, P, N_state]`` (float32;
+            float64 for float64 inputs).
+        backend: force a backend (see :mod:`hybrid_pack.backends`).
+
+    Returns:
+        ``y [1, T, H, P]`` in x's dtype, or ``(y, final_states)``.
+    """
+    check_packed("x", x, boundaries, 4)
+    _, t_len, h, p = x.shape
+    check_shape("dt", dt, (1, t_len, h))
+    check_shape("A", A, (h,))
+    check_packed("B", B, boundaries, 4)
+    check_shape("C", C, B.shape)
+    g, n = B.shape[2], B.shape[3]
+    if h % g:
+        raise InputError(f"B: expected a number of groups dividing the {h} heads; got {g}")
+    if D is not None and tuple(D.shape) not in ((h,), (h, p)):
+        raise InputError(f"D: expected shape [{h}] or [{h}, {p}]; got {list(D.shape)}")
+    check_shape("z", z, x.shape)
+    check_shape("dt_bias", dt_bias, (h,))
+    check_shape("initial_states", initial_states, (boundaries.num_docs, h, p, n))
+    if chunk_size < 1:
+        raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
+    requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=requires_grad,
+                   inputs={"x": x, "B": B, "chunk_size": chunk_size, "initial_states": initial_states,
+                           "return_final_states": return_final_states, "requires_grad": requires_grad},
+                   signature=signature_of(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                          chunk_size=chunk_size, initial_states=initial_states,
+                                          return_final_states=return_final_states))
+    return impl.fn(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                   chunk_size=chunk_size, initial_states=initial_states, return_final_states=return_final_states)

@@ -1,0 +1,296 @@
+"""Backends prove themselves (docs/api.md §5a): planted kernels that are wrong in one way each are
+refused before they serve, and the call goes to the next backend; a correct one is admitted.
+
+Every planted kernel is the op's own pure-torch backend with one defect: it ignores the boundaries
+(leaks forward), mixes gradients across documents only in its backward pass, is 1% off, raises, or
+raises in its backward pass. They run on CPU in float32, for every op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from hybrid_pack import PackedBoundaries, backends, use_backends
+from hybrid_pack.cli import main as cli_main
+from hybrid_pack.errors import BackendUnavailableError
+from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
+from hybrid_pack.ops.dispatch import registry, selector, verdicts
+from hybrid_pack.ops.dispatch.registry import contract_of, reference_of
+
+PLANTED = "planted"
+CPU = torch.device("cpu")
+
+
+def _map_tensors(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(result, tuple):
+        return tuple(None if r is None else fn(r) for r in result)
+    return fn(result)
+
+
+class _GradientLeak(torch.autograd.Function):
+    """Identity forward; backward hands each token a little of the next token's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad + 1e-3 * grad.roll(-1, dims=1)
+
+
+class _BackwardRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("planted backward failure")
+
+
+def plant(op: str, defect: str) -> Callable[..., Any]:
+    """The op's pure-torch backend with ``defect``."""
+    reference = reference_of(op).fn
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        *tensors, boundaries = args
+        if defect == "raises":
+            raise RuntimeError("planted failure")
+        if defect == "ignores_boundaries":
+            boundaries = PackedBoundaries.from_lengths([boundaries.total_tokens])
+            kwargs = {k: (v[:1] if k in ("initial_state", "initial_states") and v is not None else v)
+                      for k, v in kwargs.items()}
+        result = reference(*tensors, boundaries, **kwargs)
+        if defect == "one_percent_off":
+            return _map_tensors(result, lambda t: t * 1.01)
+        if defect == "gradient_leak":
+            return _map_tensors(result, lambda t: _GradientLeak.apply(t) if t.dim() > 1 and t.shape[0] == 1 else t)
+        if defect == "backward_raises":
+            return _map_tensors(result, _BackwardRaises.apply)
+        return result
+
+    kernel.__name__ = kernel.__qualname__ = f"{op}_{defect}"
+    return kernel
+
+
+@pytest.fixture(autouse=True)
+def fresh_results(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with no check results, its own cache directory and no override."""
+    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(selector.ENV_VAR, raising=False)
+    monkeypatch.delenv(selector.VERIFY_ENV, raising=False)
+    monkeypatch.setattr(verdicts, "_memory", {})
+    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(selector, "_logged", set())
+    yield
+    for op in registry.registered_ops():
+        if any(b.name == PLANTED for b in registry.backends_of(op)):
+            registry.unregister(op, PLANTED)
+
+
+def register_planted(op: str, defect: str, calls: list[int] | None = None, **kwargs: Any) -> None:
+    kernel = plant(op, defect)
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        if calls is not None:
+            calls.append(1)
+        return kernel(*args, **kw)
+
+    counted.__qualname__ = kernel.__qualname__
+    backends.register(op, PLANTED, counted if calls is not None else kernel, priority=100, devices=("cpu",),
+                      dtypes=(torch.float32,), **kwargs)
+
+
+def call_op(op: str, requires_grad: bool, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """Call the public op on a small packed row of the op's typical CPU signature; returns (result, inputs)."""
+    boundaries = PackedBoundaries.from_document_lengths([3, 1, 20, 7], num_pad_tokens=2)
+    case = contract_of(op).make_case(contract_of(op).default_signature(torch.float32, "cpu"), boundaries,
+                                     torch.Generator().manual_seed(seed))
+    args = {k: v.detach().clone().requires_grad_(requires_grad) if isinstance(v, torch.Tensor) else v
+            for k, v in case.arguments.items()}
+    public = {"attention": varlen_attention, "conv": causal_conv1d, "gated_delta": gated_delta_rule,
+              "ssd": mamba2_ssd}[op]
+    return case.call(public, boundaries, args), args
+
+
+def reference_result(op: str, args: dict[str, Any]) -> Any:
+    boundaries = PackedBoundaries.from_document_lengths([3, 1, 20, 7], num_pad_tokens=2)
+    case = contract_of(op).make_case(contract_of(op).default_signature(torch.float32, "cpu"), boundaries,
+                                     torch.Generator().manual_seed(0))
+    detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return case.call(reference_of(op).fn, boundaries, detached)
+
+
+def first_tensor(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def status_of(op: str) -> backends.BackendStatus:
+    return next(row for row in backends.available(op) if row.backend == PLANTED)
+
+
+OPS = ("attention", "conv", "gated_delta", "ssd")
+REFUSED = {  # defect -> what the reason says
+    "ignores_boundaries": "differs",
+    "gradient_leak": "reaches other segments",
+    "one_percent_off": "differs by 0.01",
+    "raises": "raised RuntimeError in its self-check: planted failure",
+    "backward_raises": "planted backward failure",
+}
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("defect", sorted(REFUSED))
+def test_defective_kernel_is_refused_and_the_call_falls_back(op: str, defect: str,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    register_planted(op, defect)
+    with caplog.at_level(logging.WARNING, logger="hybrid_pack.backends"):
+        result, args = call_op(op, requires_grad=True)
+        call_op(op, requires_grad=True, seed=1)
+    torch.testing.assert_close(first_tensor(result), first_tensor(reference_result(op, args)), rtol=0, atol=0)
+    row = status_of(op)
+    assert not row.usable and REFUSED[defect] in row.reason, row.reason
+    assert [c.ok for c in row.checks] == [False]
+    skips = [r.getMessage() for r in caplog.records if PLANTED in r.getMessage()]
+    assert len(skips) == 1 and REFUSED[defect] in skips[0]
+    forced = rf"{op} backend '{PLANTED}' \(forced by use_backends\(\)\)"
+    with pytest.raises(BackendUnavailableError, match=forced), use_backends(**{op: PLANTED}):
+        call_op(op, requires_grad=True)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("defect", ["gradient_leak", "backward_raises"])
+def test_forward_only_check_admits_a_kernel_whose_backward_is_refused(op: str, defect: str) -> None:
+    calls: list[int] = []
+    register_planted(op, defect, calls)
+    with torch.no_grad():
+        result, args = call_op(op, requires_grad=False)
+    served = len(calls)
+    torch.testing.assert_close(first_tensor(result), first_tensor(reference_result(op, args)))
+    assert served > 0 and status_of(op).usable  # checked forward-only, then served the call
+    before = len(calls)
+    call_op(op, requires_grad=True)
+    checks = {c.requires_grad: c.ok for c in status_of(op).checks}
+    assert checks == {False: True, True: False}
+    assert len(calls) > before  # the backward check ran the kernel, and it was refused after
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_correct_kernel_is_checked_once_then_serves(op: str) -> None:
+    calls: list[int] = []
+    register_planted(op, "none", calls)
+    call_op(op, requires_grad=True)
+    after_first = len(calls)
+    call_op(op, requires_grad=True, seed=3)
+    assert len(calls) == after_first + 1  # no second check: one more call, the call itself
+    row = status_of(op)
+    assert row.usable and row.reason == "" and [c.ok for c in row.checks] == [True]
+    assert row.checks[0].max_error <= 1e-5 and row.checks[0].seconds > 0
+
+
+def test_results_are_kept_on_disk_per_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    register_planted("conv", "one_percent_off", calls)
+    call_op("conv", requires_grad=True)
+    files = list((tmp_path / "cache").glob("backend-checks-*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())
+    assert stored["environment"]["torch"] == torch.__version__
+    [(key, record)] = [(k, r) for k, r in stored["results"].items() if f"|{PLANTED}|" in k]
+    assert key.startswith("conv|planted|") and not record["ok"] and "differs by 0.01" in record["reason"]
+
+    monkeypatch.setattr(verdicts, "_memory", {})  # a new process in the same environment
+    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    calls.clear()
+    call_op("conv", requires_grad=True)
+    assert calls == [] and not status_of("conv").usable  # refused from the file, without running it
+
+    monkeypatch.setattr(verdicts, "_memory", {})  # another torch: a fresh file, a fresh check
+    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(verdicts, "environment", lambda: {**json.loads(files[0].read_text())["environment"],
+                                                          "torch": "0.0.0-other"})
+    call_op("conv", requires_grad=True)
+    assert calls and len(list((tmp_path / "cache").glob("backend-checks-*.json"))) == 2
+
+
+def test_replacing_a_kernel_forgets_its_results() -> None:
+    register_planted("conv", "raises")
+    call_op("conv", requires_grad=True)
+    assert not status_of("conv").usable
+    calls: list[int] = []
+    register_planted("conv", "none", calls, replace=True)
+    call_op("conv", requires_grad=True)
+    assert calls and status_of("conv").usable
+
+
+def test_verification_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    register_planted("conv", "one_percent_off", calls)
+    monkeypatch.setenv(selector.VERIFY_ENV, "0")
+    result, args = call_op("conv", requires_grad=False)
+    assert calls == [1]  # trusted without a check: the caller asked for it
+    torch.testing.assert_close(result, reference_result("conv", args) * 1.01)
+
+
+def test_no_check_runs_inside_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    register_planted("conv", "none", calls)
+    monkeypatch.setattr(selector, "_tracing", lambda: True)
+    result, args = call_op("conv", requires_grad=True)
+    assert calls == [] and not status_of("conv").checks
+    torch.testing.assert_close(result, reference_result("conv", args))
+    with pytest.raises(BackendUnavailableError, match="no check runs inside torch.compile"), \
+            use_backends(conv=PLANTED):
+        call_op("conv", requires_grad=True)
+    monkeypatch.setattr(selector, "_tracing", lambda: False)
+    call_op("conv", requires_grad=True)
+    assert calls and status_of("conv").usable
+
+
+def test_compiled_caller_gets_a_correct_result() -> None:
+    register_planted("conv", "one_percent_off")
+    _, args = call_op("conv", requires_grad=False)
+    boundaries = PackedBoundaries.from_document_lengths([3, 1, 20, 7], num_pad_tokens=2)
+
+    def conv(x: torch.Tensor) -> torch.Tensor:
+        return causal_conv1d(x, args["weight"], args["bias"], boundaries, activation=args["activation"])
+
+    compiled = torch.compile(conv, backend="eager")
+    torch.testing.assert_close(compiled(args["x"]), reference_result("conv", args))
+
+
+def test_verify_checks_every_backend_now_and_reports_failures() -> None:
+    register_planted("ssd", "gradient_leak")
+    results = {(r.op, r.backend): r for r in backends.verify(device="cpu")}
+    assert {op for op, _ in results} == set(OPS)
+    for op in OPS:
+        assert results[(op, "torch")].ok, results[(op, "torch")].reason
+    planted = results[("ssd", PLANTED)]
+    assert not planted.ok and "reaches other segments" in planted.reason and planted.seconds > 0
+    assert planted.signature and planted.device == "cpu" and planted.requires_grad
+
+
+def test_cli_verify_exits_1_when_a_backend_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["backends", "--verify", "--device", "cpu"]) == 0
+    register_planted("conv", "one_percent_off")
+    assert cli_main(["backends", "--verify", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "conv" in out and PLANTED in out and "FAILED" in out and "differs by 0.01" in out
+
+
+def test_register_validates_its_arguments() -> None:
+    with pytest.raises(ValueError, match="op: expected one of"):
+        backends.register("softmax", PLANTED, plant("conv", "none"), priority=1)
+    with pytest.raises(ValueError, match="register"):
+        backends.register("conv", PLANTED, None, priority=1)  # type: ignore[arg-type]
+    backends.register("conv", PLANTED, plant("conv", "none"), priority=1, devices=("cpu",))
+    with pytest.raises(ValueError, match="already registered.*replace=True"):
+        backends.register("conv", PLANTED, plant("conv", "none"), priority=1)
+    assert [b.name for b in backends.backends_of("conv")][-1] == "torch"  # the pure-torch backend ranks last
