@@ -16,7 +16,7 @@ INSTALL_TORCH = $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
 	$(PIP) install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: demo test test-fast test-kernels bench venv clean
+.PHONY: demo test test-fast test-kernels test-gpu lint bench venv clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,15 +36,30 @@ demo: $(VENV)/.base
 	$(VENV)/bin/hybrid-pack demo --out runs/demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/kernels
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/kernels --ignore=tests/gpu
 	$(MAKE) --no-print-directory test-kernels
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check hybrid_pack tests benchmarks examples scripts models
 
 # The real Triton kernels of flash-linear-attention and mamba-ssm, on CPU in Triton's interpreter.
 test-kernels: $(VENV)/.test
 	TRITON_INTERPRET=1 HYBRID_PACK_REQUIRE_KERNELS=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests/kernels
 
+# Kernels at real sizes, models and training on CUDA; without a GPU every test skips with its reason.
+ifeq ($(HAS_GPU),1)
+$(VENV)/.gpu: $(VENV)/.test scripts/install_kernels_gpu.sh
+	bash scripts/install_kernels_gpu.sh $(VENV)
+	touch $@
+test-gpu: $(VENV)/.gpu
+else
+test-gpu: $(VENV)/.test
+endif
+	$(PY) -m pytest -q -p no:cacheprovider -rs tests/gpu
+
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow and not distributed" tests --ignore=tests/kernels
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow and not distributed" tests --ignore=tests/kernels \
+		--ignore=tests/gpu
 
 bench: $(VENV)/.test
 	$(PIP) install -q -e ".[bench]"

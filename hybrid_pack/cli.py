@@ -72,10 +72,14 @@ def _parser() -> argparse.ArgumentParser:
                           help="default: float32 for the table; with --verify, bfloat16 and float32 on CUDA")
     backends.add_argument("--verify", action="store_true",
                           help="run every backend's self-check now (exit 1 if one fails)")
-    bench = sub.add_parser("bench", help="packing, collator and packed-vs-padded training throughput")
+    bench = sub.add_parser("bench", help="kernels (boundary cost, adapter overhead) and packed-vs-padded training")
     bench.add_argument("--out", default="runs/bench", help="writes bench.json here")
     bench.add_argument("--model", default="qwen3-next-tiny")
     bench.add_argument("--steps", type=int, default=5, help="timed training steps per mode")
+    bench.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    bench.add_argument("--tokens", type=int, default=None,
+                       help="tokens per row of the kernel benchmark (default: 32768 on CUDA, 8192 on CPU)")
+    bench.add_argument("--skip-kernels", action="store_true", help="only the training comparison")
     return parser
 
 
@@ -215,13 +219,26 @@ def _run_backends(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybrid_pack.bench.kernels import run_kernel_benchmarks
+    from hybrid_pack.bench.report import kernel_table
+    from hybrid_pack.ops.dispatch.verdicts import device_name, environment
     from hybrid_pack.training.benchmark import run_benchmark
 
-    results = run_benchmark(model=args.model, steps=args.steps)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    results: dict[str, Any] = {"device": device_name(device), "environment": environment()}
+    if not args.skip_kernels:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        tokens = args.tokens or (32_768 if device.type == "cuda" else 8192)
+        kernels = run_kernel_benchmarks(device, dtype, tokens)
+        results["kernels"] = [r.to_dict() for r in kernels]
+        print(kernel_table(kernels), end="\n\n")
+    results["training"] = run_benchmark(model=args.model, steps=args.steps, device=str(device))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
-    for key, value in results.items():
+    for key, value in results["training"].items():
         print(f"{key:<40} {value:,.3f}" if isinstance(value, float) else f"{key:<40} {value}")
     print(f"wrote {out / 'bench.json'}")
     return 0

@@ -92,7 +92,7 @@ def build_bucket_layout(segment_lengths: tuple[int, ...], device: torch.device) 
         key_padding = None
         if (member_lengths < bucket_length).any():
             real = np.arange(bucket_length)[None, :] < member_lengths[:, None]
-            key_padding = torch.from_numpy(real).view(len(members), 1, 1, bucket_length).to(device)
+            key_padding = torch.from_numpy(real).view(len(members), 1, 1, bucket_length).to(device, non_blocking=True)
         buckets.append(Bucket(len(members), bucket_length, key_padding))
         first_slot += len(members) * bucket_length
-    return BucketLayout(torch.from_numpy(slot_of_token).to(device), tuple(buckets), first_slot)
+    return BucketLayout(torch.from_numpy(slot_of_token).to(device, non_blocking=True), tuple(buckets), first_slot)

@@ -98,7 +98,7 @@ def build_chunk_layout(segment_lengths: tuple[int, ...], chunk_size: int, device
     rank_of_segment[order] = np.arange(len(order))
 
     def put(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
     return ChunkLayout(put(token_index), put(valid), put(slot_of_token), tuple(int(s) for s in step_offsets),
                        put(order), put(rank_of_segment), chunk_size)
@@ -117,6 +117,6 @@ def build_kernel_chunk_index(segment_lengths: tuple[int, ...], chunk_size: int,
     segment = np.repeat(np.arange(lengths.size, dtype=np.int64), chunks)
     first_chunk = np.repeat(np.cumsum(chunks) - chunks, chunks)
     within = np.arange(segment.size, dtype=np.int64) - first_chunk
-    chunk_indices = torch.from_numpy(np.stack([segment, within], 1).astype(np.int32)).to(device)
+    chunk_indices = torch.from_numpy(np.stack([segment, within], 1).astype(np.int32)).to(device, non_blocking=True)
     cu_seqlens_cpu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
     return chunk_indices, cu_seqlens_cpu

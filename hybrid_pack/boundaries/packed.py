@@ -172,9 +172,9 @@ class PackedBoundaries:
             _fail("lengths", "a total below 2**31 tokens (cu_seqlens is int32)", f"{total}")
         cu_seqlens, seq_idx, position_ids = boundary_arrays(arr)
         return cls(
-            cu_seqlens=torch.from_numpy(cu_seqlens).to(device),
-            seq_idx=torch.from_numpy(seq_idx).to(device),
-            position_ids=torch.from_numpy(position_ids).to(device),
+            cu_seqlens=torch.from_numpy(cu_seqlens).to(device, non_blocking=True),
+            seq_idx=torch.from_numpy(seq_idx).to(device, non_blocking=True),
+            position_ids=torch.from_numpy(position_ids).to(device, non_blocking=True),
             max_seqlen=int(arr.max()),
             segment_lengths=tuple(arr.tolist()),
             num_pad_tokens=int(num_pad_tokens),

@@ -1,4 +1,4 @@
-"""A compact hybrid causal LM built only on the boundary-safe ops (SPEC §6).
+"""A compact hybrid causal LM built only on the boundary-safe ops (docs/api.md §6).
 
 Layers mix Gated DeltaNet (``G``), Mamba-2 (``M``) and softmax attention (``A``) in any pattern:
 Qwen3-Next style (``"GGGA" * k``) or Bamba style (Mamba-2 with a few attention layers). Presets in

@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.missing_extension import stand_in_for
 from hybrid_pack.ops.triton_device import INTERPRET_ENV, cpu_interpreter_enabled, mark_cpu_interpreter_ready
 
 __all__ = ["CUDA_EXTENSIONS", "enable_cpu_interpreter"]
@@ -65,21 +65,7 @@ def enable_cpu_interpreter() -> None:
 
 def _stub_cuda_extensions() -> None:
     for name in CUDA_EXTENSIONS:
-        if name not in sys.modules and importlib.util.find_spec(name) is None:
-            sys.modules[name] = _StubExtension(name)
-
-
-class _StubExtension(types.ModuleType):
-    """A CUDA extension module that is not built: importable, every function raises."""
-
-    def __getattr__(self, attr: str) -> Callable[..., Any]:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def unavailable(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(f"{self.__name__}.{attr}: the CUDA extension is not built (CPU interpreter mode)")
-
-        return unavailable
+        stand_in_for(name)
 
 
 def _same_time_for_every_config(kernel_call: Callable[[], None], quantiles: tuple[float, ...] = ()) -> list[float]:

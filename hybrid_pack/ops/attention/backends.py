@@ -12,9 +12,11 @@ HALF = (torch.float16, torch.bfloat16)
 
 register_op(CONTRACT)
 register(OP, "flash_attn", "hybrid_pack.ops.attention.kernel_flash_attn:varlen_attention", priority=30, dtypes=HALF,
-         boundary_arg="cu_seqlens", requires=("flash_attn", "flash_attn_2_cuda"), accepts=flash_attn_accepts)
+         boundary_arg="cu_seqlens", requires=("flash_attn", "flash_attn_2_cuda"), accepts=flash_attn_accepts,
+         limits="head dim > 256")
 register(OP, "torch_varlen", "hybrid_pack.ops.attention.kernel_torch_varlen:varlen_attention", priority=20,
-         dtypes=HALF, boundary_arg="cu_seqlens", probe=varlen_attn_probe, accepts=flash_attn_accepts)
+         dtypes=HALF, boundary_arg="cu_seqlens", probe=varlen_attn_probe, accepts=flash_attn_accepts,
+         limits="head dim > 256")
 register(OP, "flex", "hybrid_pack.ops.attention.kernel_flex:varlen_attention", priority=10, dtypes=KERNEL_DTYPES,
          boundary_arg="seq_idx block mask")
 register(OP, "torch", "hybrid_pack.ops.attention.torch_backend:varlen_attention", priority=0,

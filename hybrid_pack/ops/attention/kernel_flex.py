@@ -73,7 +73,7 @@ def document_block_mask(boundaries: PackedBoundaries, causal: bool) -> BlockMask
             keep = seq_idx[q_idx] == seq_idx[kv_idx]
             return keep & (q_idx >= kv_idx) if causal else keep
 
-        tables = [torch.from_numpy(t)[None, None].to(device)
+        tables = [torch.from_numpy(t)[None, None].to(device, non_blocking=True)
                   for t in _block_tables(boundaries.segment_lengths, length, causal)]
         return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=BLOCK, mask_mod=same_segment, seq_lengths=(length, length))
 

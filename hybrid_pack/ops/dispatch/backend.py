@@ -41,6 +41,7 @@ class Backend:
             need the interpreter): "" when fine, else the reason. Asked every time.
         accepts: per-call input check (widths, head dims...): "" when the kernel takes these inputs with
             boundaries, else the reason. Gets the op's inputs by name.
+        limits: what ``accepts`` refuses, in words (for the docs' backend matrix).
     """
 
     op: str
@@ -56,6 +57,7 @@ class Backend:
     probe: Callable[[], str] | None = None
     device_probe: Callable[[torch.device, torch.dtype], str] | None = None
     accepts: Callable[[Mapping[str, Any]], str] | None = None
+    limits: str = ""
     _reasons: dict[tuple[str, torch.dtype, bool], str] = field(default_factory=dict, repr=False)
 
     @cached_property

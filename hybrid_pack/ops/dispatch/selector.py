@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -28,8 +29,8 @@ from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_back
 from hybrid_pack.ops.dispatch.selfcheck import run_check
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
-__all__ = ["ENV_VAR", "VERIFY_ENV", "resolve", "select", "use_backends", "verification_enabled", "verdict_for",
-           "check_now"]
+__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "select", "use_backends", "verification_enabled",
+           "verdict_for", "check_now", "decisions"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -37,6 +38,30 @@ VERIFY_ENV = "HYBRID_PACK_VERIFY"
 logger = logging.getLogger("hybrid_pack.backends")
 _logged: set[tuple[str, str, str]] = set()
 _forced: ContextVar[Mapping[str, str]] = ContextVar("hybrid_pack_forced_backends", default=MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend serves calls of one op with one signature on one device, and why not the others before it.
+
+    Attributes:
+        op, backend: the op and the backend chosen.
+        device, signature: the calls' key (the signature as text).
+        requires_grad: whether the calls need a backward pass.
+        skipped: ``(backend, why)`` for every backend of higher priority that was passed over.
+        forced: the backend was forced (argument, ``use_backends`` or ``HYBRID_PACK_BACKENDS``).
+    """
+
+    op: str
+    backend: str
+    device: str
+    signature: str
+    requires_grad: bool
+    skipped: tuple[tuple[str, str], ...] = ()
+    forced: bool = False
+
+
+_decisions: dict[tuple[str, str, str, bool, str], Decision] = {}
 
 
 def verification_enabled() -> bool:
@@ -183,14 +208,33 @@ def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad:
         why = _why_not(chosen, device, dtype, requires_grad, inputs, signature)
         if why:
             raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
+        _decide(chosen, device, requires_grad, signature, (), forced=True)
         return chosen
+    skipped = []
     for candidate in backends_of(op):
         why = _why_not(candidate, device, dtype, requires_grad, inputs, signature)
         if not why:
+            _decide(candidate, device, requires_grad, signature, tuple(skipped), forced=False)
             return candidate
+        skipped.append((candidate.name, why))
         if candidate.reason(device, dtype, requires_grad) == "":
             _log_once(op, candidate.name, why)
     raise BackendUnavailableError(f"{op}: no backend can run on {device.type} with {dtype_name(dtype)}")
+
+
+def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature | None,
+            skipped: tuple[tuple[str, str], ...], *, forced: bool) -> None:
+    """Remember the first decision per (op, device, signature, grad, backend): :func:`decisions` lists them."""
+    text = signature_text(signature) if signature is not None else "typical call"
+    key = (chosen.op, str(device), text, requires_grad, chosen.name)
+    if key not in _decisions:
+        _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
+                                   skipped, forced)
+
+
+def decisions() -> list[Decision]:
+    """Every distinct choice this process made so far: which backend ran each op's calls, and why not the others."""
+    return list(_decisions.values())
 
 
 def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:

@@ -168,14 +168,18 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
 
 
 def run_check(backend: Backend, reference: Backend, contract: OpContract, signature: Signature,
-              device: torch.device, requires_grad: bool) -> CheckResult:
+              device: torch.device, requires_grad: bool, *, layout: tuple[list[int], int] | None = None
+              ) -> CheckResult:
     """Check ``backend`` for calls of ``signature`` on ``device`` (with backward if ``requires_grad``).
+
+    ``layout`` (document lengths, padding tokens) replaces :func:`check_layout`'s short row: the GPU test tier
+    runs the same check at real sizes.
 
     Raises:
         torch.cuda.OutOfMemoryError: out of memory is no verdict on the kernel (the caller keeps none).
     """
     began = time.perf_counter()
-    documents, padding = check_layout(contract.edge(signature), contract.reach(signature))
+    documents, padding = layout or check_layout(contract.edge(signature), contract.reach(signature))
     boundaries = PackedBoundaries.from_document_lengths(documents, num_pad_tokens=padding, device=device)
     generator = torch.Generator().manual_seed(0)
     case = contract.make_case(signature, boundaries, generator)

@@ -9,6 +9,6 @@ from hybrid_pack.ops.triton_device import triton_device_reason
 register_op(CONTRACT)
 register(OP, "fla", "hybrid_pack.ops.gated_delta.kernel_fla:gated_delta_rule", priority=20, devices=("cpu", "cuda"),
          dtypes=KERNEL_DTYPES, boundary_arg="cu_seqlens", requires=("fla", "triton"),
-         device_probe=triton_device_reason, accepts=gated_delta_accepts)
+         device_probe=triton_device_reason, accepts=gated_delta_accepts, limits="key head dim > 256")
 register(OP, "torch", "hybrid_pack.ops.gated_delta.torch_backend:gated_delta_rule", priority=0,
          devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, reference=True, boundary_arg="per-document chunks")

@@ -79,7 +79,7 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     tokens_of = torch.where(valid, start[:, None] + offsets[None, :], start[:, None])
     rows_of = row[:, None].expand_as(tokens_of)
 
-    def chunks(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:                 # [B, T, n, d] -> [C, n, L, d]
+    def chunks(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:  # [B, T, n, d] -> [C, n, L, d], 0 in masked slots
         y = x[rows_of, tokens_of].float().repeat_interleave(repeat, dim=2)
         return torch.where(valid[..., None, None], y, 0.0).permute(0, 2, 1, 3)
 
@@ -102,14 +102,13 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)                                                # [C, HV, L]
     dg = dg.scatter_add(-1, (end - start - 1)[:, None, None].expand(-1, v_heads, 1), dg_last)
 
-    picked = valid.nonzero(as_tuple=True)
-    at = (rows_of[picked], tokens_of[picked])
-
     def tokens_major(chunked: torch.Tensor, width: int | None) -> torch.Tensor:
+        """Chunk slots back to ``[B, T, HV(, width)]``; a masked slot holds 0 and adds 0 to its chunk's first token
+        (no data-dependent indexing, so no host sync)."""
+        slots = chunked.transpose(1, 2) if width is None else chunked.permute(0, 2, 1, 3)       # [C, L, HV(, d)]
         shape = (batch, tokens, v_heads) + ((width,) if width is not None else ())
         out = torch.zeros(shape, dtype=torch.float32, device=device)
-        out[at] = (chunked.permute(0, 2, 1, 3) if width is not None else chunked.transpose(1, 2))[picked]
-        return out
+        return out.index_put_((rows_of.flatten(), tokens_of.flatten()), slots.flatten(0, 1), accumulate=True)
 
     dq_t, dk_t, dg_t = tokens_major(dq, q.shape[-1]), tokens_major(dk, k.shape[-1]), tokens_major(dg, None)
     dw_t = None

@@ -9,6 +9,7 @@ from hybrid_pack.ops.triton_device import triton_device_reason
 register_op(CONTRACT)
 register(OP, "mamba_ssm", "hybrid_pack.ops.ssd.kernel_mamba_ssm:mamba2_ssd", priority=20, devices=("cpu", "cuda"),
          dtypes=KERNEL_DTYPES, boundary_arg="seq_idx", requires=("mamba_ssm", "triton"),
-         device_probe=triton_device_reason, accepts=ssd_accepts)
+         device_probe=triton_device_reason, accepts=ssd_accepts,
+         limits="per-document initial states; final states with autograd; chunk_size not a power of two in 16-256")
 register(OP, "torch", "hybrid_pack.ops.ssd.torch_backend:mamba2_ssd", priority=0, devices=("cpu", "cuda"),
          dtypes=FLOAT_DTYPES, reference=True, boundary_arg="per-document chunks")

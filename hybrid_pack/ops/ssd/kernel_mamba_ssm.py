@@ -23,6 +23,7 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.missing_extension import stand_in_for
 
 __all__ = ["mamba2_ssd", "ssd_accepts", "CHUNK_SIZES"]
 
@@ -56,6 +57,7 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     Raises:
         ValueError: inputs :func:`ssd_accepts` refuses (the selector never sends them here).
     """
+    stand_in_for("selective_scan_cuda")  # built with MAMBA_SKIP_CUDA_BUILD=TRUE: the Triton SSD needs no CUDA build
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     final_states_with_grad = return_final_states and torch.is_grad_enabled() and any(

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install the kernel packages into a virtual environment on an NVIDIA GPU machine, against the torch
+# already installed there (nothing here installs or pins torch or triton).
+#
+#   flash-linear-attention / fla-core  pure Python (Triton kernels): gated delta rule, conv
+#   causal-conv1d                      CUDA extension, compiled here for this machine's GPU (a few minutes)
+#   mamba-ssm                          only its Triton SSD kernel is used: no CUDA build
+#
+# flash-attn is left out (its build takes far longer): `pip install flash-attn --no-build-isolation` adds it.
+# Usage: scripts/install_kernels_gpu.sh [VENV]   (default: .venv)
+set -euo pipefail
+
+VENV="${1:-.venv}"
+PYTHON="$VENV/bin/python"
+if [[ ! -x "$PYTHON" ]]; then
+    echo "install_kernels_gpu.sh: no python at $PYTHON (pass the virtual environment as the first argument)" >&2
+    exit 2
+fi
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "install_kernels_gpu.sh: torch sees no CUDA device here; use scripts/install_kernels_cpu.sh" >&2
+    exit 2
+fi
+
+FLA_VERSION=0.6.0
+MAMBA_SSM_VERSION=2.3.2.post1
+CAUSAL_CONV1D_VERSION=1.7.0
+ARCH=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'{major}.{minor}')")
+
+"$PYTHON" -m pip install --no-deps "fla-core==$FLA_VERSION" "flash-linear-attention==$FLA_VERSION" "einops>=0.8"
+TORCH_CUDA_ARCH_LIST="$ARCH" CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-16}" \
+    "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall "causal-conv1d==$CAUSAL_CONV1D_VERSION"
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+    "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall "mamba-ssm==$MAMBA_SSM_VERSION"
+
+"$PYTHON" - <<'PY'
+from importlib.metadata import version
+import torch
+print(f"device: {torch.cuda.get_device_name()}")
+for name in ("torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d"):
+    print(f"{name}=={version(name)}")
+PY
