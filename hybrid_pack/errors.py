@@ -1,0 +1,45 @@
+"""The errors hybrid_pack raises on purpose (docs/api.md, "Errors").
+
+Every one of them subclasses :class:`HybridPackError`, itself a :class:`ValueError`, so code that
+caught ``ValueError`` before keeps working, and the command line can tell a user's mistake (one
+of these, reported in one line) from a bug (anything else, shown with its traceback).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["HybridPackError", "InputError", "BoundaryError", "UnsupportedModelError", "BackendUnavailableError",
+           "IsolationError"]
+
+
+class HybridPackError(ValueError):
+    """Base of every error hybrid_pack raises on purpose; the message names the field and the fix."""
+
+
+class InputError(HybridPackError):
+    """An argument, tensor, example or setting that hybrid_pack cannot take as given."""
+
+
+class BoundaryError(InputError):
+    """Document boundaries that are malformed or disagree with each other or with the tokens."""
+
+
+class UnsupportedModelError(HybridPackError):
+    """A model (or one of its settings) that cannot be made to keep packed documents apart."""
+
+
+class BackendUnavailableError(HybridPackError, RuntimeError):
+    """A backend that was asked for by name cannot run these inputs here (also a :class:`RuntimeError`)."""
+
+
+class IsolationError(HybridPackError, AssertionError):
+    """A packed model let one document see another (also an :class:`AssertionError`, for test runners).
+
+    Attributes:
+        report: what was measured (an ``IsolationReport`` from the harness, or a guard record), or None.
+    """
+
+    def __init__(self, message: Any, report: Any = None) -> None:
+        super().__init__(str(message))
+        self.report = report if report is not None else (None if isinstance(message, str) else message)
