@@ -40,6 +40,8 @@ from hybrid_pack.schema import (
     CU_SEQ_LENS_Q,
     INPUT_IDS,
     INPUTS_EMBEDS,
+    LABELS,
+    NUM_ITEMS_IN_BATCH,
     NUM_PAD_TOKENS,
     POSITION_IDS,
     SEQ_IDX,
@@ -112,13 +114,16 @@ class PackingGuard:
 
     The guard's own calls run in eval mode under ``torch.no_grad()`` and leave the model's modes, the
     CPU and CUDA random states and the gradients as they were. Boundary keys must be passed by keyword
-    (``model(**batch)``), as every trainer does.
+    (``model(**batch)``), as every trainer does. A ``DistributedDataParallel`` model is guarded through
+    its ``module``; each rank checks its own rows.
     """
 
     def __init__(self, model: nn.Module, *, every: int = 100, documents: int = 3, action: str = "raise",
                  atol: float | None = None, localize: bool = False, seed: int = 0) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model: expected a torch.nn.Module; got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module    # the guard's own calls must not run DDP's collectives on one rank
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise InputError(f"every: expected an int >= 1 (check every N-th packed call); got {every!r}")
         if isinstance(documents, bool) or not isinstance(documents, int) or documents < 2:
@@ -172,7 +177,7 @@ class PackingGuard:
     def _before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count a packed training call and mark it when due; reads shapes only (no host sync)."""
         if self._checking or not module.training or not _is_packed(args, kwargs):
-            self._due = None
+            self._due, self._capture = None, False
             return
         self._due = self.calls if self.calls % self.every == 0 else None
         self._capture = self._due is not None
@@ -232,12 +237,14 @@ class PackingGuard:
             atol = self.atol if self.atol is not None else _tolerance(self.model, packed.dtype, boundaries.device)
             for doc in chosen:
                 start, length = starts[doc], lengths[doc]
-                output = self.model(**_document_batch(batch, boundaries, start, length))
+                output = self.model(**_document_batch(batch, boundaries, start, length,
+                                                      with_labels=compared == HIDDEN_STATES))
                 alone, _ = self._packed_output(output, self._hidden, expected=compared)
                 diffs.append(_relative_diff(packed[start:start + length], _rows(alone, length, compared)))
             ok = all(d <= atol for d in diffs)
             worst = chosen[max(range(len(diffs)), key=diffs.__getitem__)]
-            module = None if ok or not self.localize else self._first_leaking_module(batch, boundaries, worst, atol)
+            module = (None if ok or not self.localize
+                      else self._first_leaking_module(batch, boundaries, worst, atol, with_labels=compared == HIDDEN_STATES))
         _synchronize(boundaries.device)
         record = GuardRecord(step=step, ok=ok, max_diff=max(diffs), documents=chosen,
                              seconds=time.perf_counter() - began, call=call, lengths=[lengths[d] for d in chosen],
@@ -270,14 +277,14 @@ class PackingGuard:
         others = [i for i in order if i not in chosen]
         return chosen + self._random.sample(others, min(len(others), self.documents - len(chosen)))
 
-    def _first_leaking_module(self, batch: dict[str, Any], boundaries: PackedBoundaries, doc: int,
-                              atol: float) -> str | None:
+    def _first_leaking_module(self, batch: dict[str, Any], boundaries: PackedBoundaries, doc: int, atol: float, *,
+                              with_labels: bool) -> str | None:
         """The harness's localisation: record every submodule in the packed run and the document's run alone."""
         start, length = boundaries.starts[doc], boundaries.lengths[doc]
         with _record_calls(self.model, boundaries.total_tokens) as packed_calls:
             self.model(**batch)
         with _record_calls(self.model, length) as alone_calls:
-            self.model(**_document_batch(batch, boundaries, start, length))
+            self.model(**_document_batch(batch, boundaries, start, length, with_labels=with_labels))
         return _origin(packed_calls, alone_calls, lambda t: t[0, start:start + length], lambda t: t[0], atol)
 
     def _report(self, record: GuardRecord, doc: int, start: int, length: int) -> None:
@@ -355,15 +362,21 @@ def _boundaries(batch: Mapping[str, Any]) -> PackedBoundaries:
     return PackedBoundaries.from_batch(batch)
 
 
-def _document_batch(batch: Mapping[str, Any], boundaries: PackedBoundaries, start: int, length: int
-                    ) -> dict[str, Any]:
-    """The same call for one document alone: per-token tensors ``[1, T, ...]`` sliced, one-document boundaries."""
+def _document_batch(batch: Mapping[str, Any], boundaries: PackedBoundaries, start: int, length: int, *,
+                    with_labels: bool) -> dict[str, Any]:
+    """The same call for one document alone: per-token tensors ``[1, T, ...]`` sliced, one-document boundaries.
+
+    Without ``with_labels`` the labels (and ``num_items_in_batch``) are left out: the loss is not compared, and
+    on a small model the LM head's cross-entropy costs as much as the layers. A forward that returns no logits
+    (TRL's fused LM head) needs them.
+    """
     lone = PackedBoundaries.from_lengths([length], device=boundaries.device)
     lone_keys = lone.hf_kwargs()
     tokens = boundaries.total_tokens
+    skipped = {NUM_PAD_TOKENS} if with_labels else {NUM_PAD_TOKENS, LABELS, NUM_ITEMS_IN_BATCH}
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if key == NUM_PAD_TOKENS:
+        if key in skipped:
             continue
         if key == BOUNDARIES:
             out[key] = lone

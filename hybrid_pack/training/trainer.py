@@ -73,22 +73,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         _check_isolation_first(model, cfg, proc, metrics)
     lengths = [len(f[INPUT_IDS]) for f in features]
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=proc.world, rank=proc.rank, seed=cfg.seed)
-    total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
     guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed).attach() if cfg.guard_every else None
-    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
-
-    optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
-    start_step, stats = 0, RunStats()
-    if cfg.resume:
-        start_step, stats = load_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, proc.device)
-    saver = CheckpointSaver(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, stats,
-                            every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
     try:
-        train_pass(trained, _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups),
-                   total_steps=total_steps, cfg=cfg, device=proc.device, autocast=proc.autocast, world=proc.world,
-                   describe="packed", optimizer=optimizer, scheduler=scheduler, stats=stats, start_step=start_step,
-                   on_step=saver, guard=guard)
+        stats = _train_packed(model, features, sampler, cfg, proc, guard)
     except IsolationError:
         _write_metrics(proc, metrics, guard)
         raise
@@ -96,7 +84,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if guard is not None:
             guard.detach()
     metrics.update(_packed_metrics(model, stats, sampler, lengths, cfg, proc))
-
     padded_stats = None
     if cfg.compare_padded:
         padded_stats = compare_padded(model, initial_state, features, stats, cfg, proc.device, proc.autocast, metrics)
@@ -174,6 +161,23 @@ def _check_isolation_first(model: torch.nn.Module, cfg: TrainConfig, proc: _Proc
         (proc.out / "isolation.json").write_text(report.to_json(indent=1))
     if not report.ok:
         raise IsolationError(f"isolation check failed; not training a model that mixes documents:\n{report}", report)
+
+
+def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler,
+                  cfg: TrainConfig, proc: _Process, guard: PackingGuard | None) -> RunStats:
+    """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step."""
+    total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
+    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
+    optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
+    start_step, stats = 0, RunStats()
+    if cfg.resume:
+        start_step, stats = load_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, proc.device)
+    saver = CheckpointSaver(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, stats,
+                            every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
+    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups)
+    return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device, autocast=proc.autocast,
+                      world=proc.world, describe="packed", optimizer=optimizer, scheduler=scheduler, stats=stats,
+                      start_step=start_step, on_step=saver, guard=guard)
 
 
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],
