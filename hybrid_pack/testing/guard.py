@@ -176,7 +176,9 @@ class PackingGuard:
 
     def _before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count a packed training call and mark it when due; reads shapes only (no host sync)."""
-        if self._checking or not module.training or not _is_packed(args, kwargs):
+        if self._checking:
+            return
+        if not module.training or not _is_packed(args, kwargs):
             self._due, self._capture = None, False
             return
         self._due = self.calls if self.calls % self.every == 0 else None

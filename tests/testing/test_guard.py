@@ -260,6 +260,23 @@ def test_output_without_logits_is_compared_on_the_backbone_hidden_states():
     assert [(r.compared, r.ok) for r in guard.records] == [("hidden states", True), ("hidden states", False)]
 
 
+def test_trl_fused_lm_head_is_compared_on_the_backbone_hidden_states():
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="TRL is not installed (the bench extra has it)")
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+    model = tiny_model("qwen3_next").train()
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))   # what SFTTrainer does
+    patch_model(model)                                       # around TRL's forward: the fused path runs packed
+    batch = _batch([7, 1, 33, 20, 5], vocab=120)
+    with PackingGuard(model, every=1) as guard:
+        model(**batch, fused_lm_head=True)
+        LeakAfter(model.model.layers[0].linear_attn, after=0)
+        with pytest.raises(IsolationError, match="hidden states"):
+            model(**batch, fused_lm_head=True)
+    assert [(r.compared, r.ok) for r in guard.records] == [("hidden states", True), ("hidden states", False)]
+
+
 class _NoLogits(nn.Module):
     def __init__(self) -> None:
         super().__init__()

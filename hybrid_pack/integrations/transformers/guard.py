@@ -47,6 +47,8 @@ class PackingGuardCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         if model is None:
             raise InputError("model: the Trainer passed no model to PackingGuardCallback.on_train_begin")
+        if self.guard is not None:
+            self.guard.detach()     # a train() that stopped on a leak left its guard attached
         self.guard = PackingGuard(model, **self.settings).attach()
         self._logged = 0
 
