@@ -86,7 +86,8 @@ def measure_preset(preset: str, steps: int, capacity: int) -> dict[str, Any]:
     share_cpu = [r["check_cpu"] / r["step_cpu"] for r in rows]
     return {
         "preset": preset, "capacity": capacity, "steps_timed": len(rows), "all_checks_ok": all(r["ok"] for r in rows),
-        "step_seconds": _stats([r["step_wall"] for r in rows]), "step_cpu_seconds": _stats([r["step_cpu"] for r in rows]),
+        "step_seconds": _stats([r["step_wall"] for r in rows]),
+        "step_cpu_seconds": _stats([r["step_cpu"] for r in rows]),
         "check_seconds": _stats([r["check_wall"] for r in rows]),
         "check_cpu_seconds": _stats([r["check_cpu"] for r in rows]),
         "checked_tokens_per_check": _stats([r["checked_tokens"] for r in rows]),
@@ -155,7 +156,8 @@ def main() -> None:
             print(f"| {p['preset']} | {r['threads']} | {s['min']:.3f} / {s['median']:.3f} | "
                   f"{c['min']:.3f} / {c['median']:.3f} | {100 * share['median']:.1f}%, {100 * share['max']:.1f}% | "
                   f"{100 * p['overhead_at_default_every']['wall']:.2f}%, {100 * worst:.2f}% |")
-        print(f"hook on an unchecked call ({r['threads']} threads): {r['hook_seconds_per_unchecked_call'] * 1e6:.1f} us")
+        hook_us = r["hook_seconds_per_unchecked_call"] * 1e6
+        print(f"hook on an unchecked call ({r['threads']} threads): {hook_us:.1f} us")
     print(f"wrote {RESULTS}")
 
 

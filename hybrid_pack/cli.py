@@ -97,7 +97,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"hybrid-pack: {metrics['model']} on {metrics['data']} ({metrics['device']}, {metrics['dtype']})")
+    table = Table(title=f"hybrid-pack: {metrics['model']} on {metrics['data']} "
+                        f"({metrics['device']}, {metrics['dtype']})")
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("examples / real tokens", f"{metrics['examples']:,} / {metrics['real_tokens']:,}")

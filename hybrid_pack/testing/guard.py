@@ -245,8 +245,10 @@ class PackingGuard:
                 diffs.append(_relative_diff(packed[start:start + length], _rows(alone, length, compared)))
             ok = all(d <= atol for d in diffs)
             worst = chosen[max(range(len(diffs)), key=diffs.__getitem__)]
-            module = (None if ok or not self.localize
-                      else self._first_leaking_module(batch, boundaries, worst, atol, with_labels=compared == HIDDEN_STATES))
+            module = None
+            if not ok and self.localize:
+                module = self._first_leaking_module(batch, boundaries, worst, atol,
+                                                    with_labels=compared == HIDDEN_STATES)
         _synchronize(boundaries.device)
         record = GuardRecord(step=step, ok=ok, max_diff=max(diffs), documents=chosen,
                              seconds=time.perf_counter() - began, call=call, lengths=[lengths[d] for d in chosen],
