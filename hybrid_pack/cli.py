@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 DEMO_EXAMPLES = 600
+GUARD_HELP = ("the runtime leak guard checks the first packed micro-batch and every N-th after it against its "
+              "documents run alone; 0 turns it off (default: every 100; docs/guard.md)")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
@@ -27,6 +30,7 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--capacity", type=int, default=2048, help="tokens per packed row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--guard-every", type=int, default=None, metavar="N", help=GUARD_HELP)
     if demo:
         p.add_argument("--compare-padded", action="store_true", default=True, help="always on for the demo")
         p.add_argument("--isolation-check", action="store_true", default=True, help="always on for the demo")
@@ -88,6 +92,8 @@ def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
 
     common = {"model": args.model, "out": args.out, "capacity": args.capacity, "max_examples": args.max_examples,
               "seed": args.seed, "progress": not args.no_progress}
+    if args.guard_every is not None:
+        common["guard_every"] = args.guard_every
     if demo:
         return TrainConfig(**common, compare_padded=True, isolation_check=True)
     return TrainConfig(**common, data=args.data, epochs=args.epochs, max_steps=args.max_steps,
@@ -101,7 +107,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"hybrid-pack: {metrics['model']} on {metrics['data']} ({metrics['device']}, {metrics['dtype']})")
+    table = Table(title=f"hybrid-pack: {metrics['model']} on {metrics['data']} "
+                        f"({metrics['device']}, {metrics['dtype']})")
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("examples / real tokens", f"{metrics['examples']:,} / {metrics['real_tokens']:,}")
@@ -110,6 +117,10 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
     if metrics.get("isolation_ok") is not None:
         table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
+    if "guard" in metrics:
+        guard = metrics["guard"]
+        table.add_row(f"runtime guard (every {guard['every']} packed calls)",
+                      f"{guard['checks']} checks, no leak (max diff {guard['max_diff'] or 0:.1e})")
     table.add_row("loss first -> last step", f"{metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}")
     table.add_row("packed real tokens/s", f"{metrics['tokens_per_second']:,.0f}")
     if "padded_tokens_per_second" in metrics:
@@ -128,10 +139,15 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
 
 
 def _run_train(args: argparse.Namespace, *, demo: bool) -> int:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from hybrid_pack.training import IsolationFailed, train
 
+    guard_log = logging.getLogger("hybrid_pack.guard")  # one line per check, printed above the progress bar
+    guard_log.setLevel(logging.INFO)
     try:
-        metrics = train(_train_config(args, demo=demo))
+        with logging_redirect_tqdm(loggers=[guard_log]):
+            metrics = train(_train_config(args, demo=demo))
     except IsolationFailed as err:
         print(err, file=sys.stderr)
         return 1

@@ -1,8 +1,12 @@
-"""The cross-contamination harness (SPEC §7): prove a packed model never mixes documents."""
+"""The cross-contamination harness (SPEC §7) and the runtime guard (SPEC §7a): prove a packed model never
+mixes documents, before training and while it trains."""
 
-from hybrid_pack.testing.isolation import DEFAULT_ATOL, IsolationError, assert_isolated, check_isolation
+from hybrid_pack.errors import IsolationError
+from hybrid_pack.testing.guard import GuardRecord, IsolationWarning, PackingGuard
+from hybrid_pack.testing.isolation import DEFAULT_ATOL, assert_isolated, check_isolation
 from hybrid_pack.testing.layouts import Layout, adversarial_layouts, model_geometry
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
 __all__ = ["check_isolation", "assert_isolated", "IsolationError", "IsolationReport", "LayoutResult",
-           "DocumentResult", "Layout", "adversarial_layouts", "model_geometry", "DEFAULT_ATOL"]
+           "DocumentResult", "Layout", "adversarial_layouts", "model_geometry", "DEFAULT_ATOL", "PackingGuard",
+           "GuardRecord", "IsolationWarning"]

@@ -21,20 +21,13 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import IsolationError
 from hybrid_pack.testing.layouts import Layout, adversarial_layouts, model_geometry
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
 __all__ = ["check_isolation", "assert_isolated", "IsolationError", "DEFAULT_ATOL"]
 
 DEFAULT_ATOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-class IsolationError(AssertionError):
-    """Raised by :func:`assert_isolated`; carries the report."""
-
-    def __init__(self, report: IsolationReport) -> None:
-        super().__init__(str(report))
-        self.report = report
 
 
 def _logits(output: Any) -> torch.Tensor:

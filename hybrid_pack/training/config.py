@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+DEFAULT_GUARD_EVERY = 100
+"""Packed micro-batches between two checks of the runtime guard (docs/guard.md: its cost at this N)."""
+
 
 @dataclass
 class TrainConfig:
@@ -25,6 +28,8 @@ class TrainConfig:
         isolation_check: run the cross-contamination harness on the model first.
         checkpoint_every: optimizer steps between checkpoints (0 = only at the end).
         resume: continue from ``out/checkpoint.pt``.
+        guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
+            micro-batch and every N-th after it against its documents run alone; 0 turns it off.
     """
 
     model: str = "qwen3-next-tiny"
@@ -47,6 +52,7 @@ class TrainConfig:
     isolation_check: bool = False
     checkpoint_every: int = 0
     resume: bool = False
+    guard_every: int = DEFAULT_GUARD_EVERY
     log_every: int = 1
     progress: bool = True
 
@@ -54,6 +60,8 @@ class TrainConfig:
         for name in ("capacity", "epochs", "grad_accum"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: expected a positive int; got {getattr(self, name)}")
+        if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
+            raise ValueError(f"guard_every: expected an int >= 0 (0 turns the guard off); got {self.guard_every!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps: expected a positive int or None; got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:

@@ -7,6 +7,7 @@ from typing import Any
 
 from hybrid_pack.data import load_gsm8k, tokenize_chats
 from hybrid_pack.modeling.vocab import VocabRemap
+from hybrid_pack.schema import INPUT_IDS
 
 TOKENIZER_VOCAB = 151_669
 
@@ -31,7 +32,8 @@ def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any
     return chats[:max_examples]
 
 
-def build_features(chats: list[dict[str, Any]], vocab_size: int, *, max_length: int) -> tuple[list[dict], VocabRemap | None]:
+def build_features(chats: list[dict[str, Any]], vocab_size: int, *,
+                   max_length: int) -> tuple[list[dict], VocabRemap | None]:
     """Tokenize ``chats`` (Qwen3 ChatML, prompts masked) and, for a model with a smaller vocabulary than
     the tokenizer's, remap ids to the ``vocab_size - 1`` most frequent ones (the rest become ``<unk>``).
 
@@ -40,9 +42,9 @@ def build_features(chats: list[dict[str, Any]], vocab_size: int, *, max_length: 
         the model covers the tokenizer's vocabulary.
     """
     features = tokenize_chats(chats, max_length=max_length)
-    features = [f for f in features if len(f["input_ids"]) > 1]
+    features = [f for f in features if len(f[INPUT_IDS]) > 1]
     if vocab_size >= TOKENIZER_VOCAB:
         return features, None
-    remap = VocabRemap.from_corpus((f["input_ids"] for f in features), size=vocab_size)
+    remap = VocabRemap.from_corpus((f[INPUT_IDS] for f in features), size=vocab_size)
     return [remap.encode_example(f) for f in features], remap
 

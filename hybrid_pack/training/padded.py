@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS
+
 
 class PaddingCollator:
     """Right-pad a list of examples to their longest.
@@ -27,15 +29,15 @@ class PaddingCollator:
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("features: expected at least one example")
-        lengths = [len(f["input_ids"]) for f in features]
+        lengths = [len(f[INPUT_IDS]) for f in features]
         rows, width = len(features), max(lengths)
         ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)
-        labels = np.full((rows, width), -100, dtype=np.int64)
+        labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int64)
         mask = np.zeros((rows, width), dtype=np.int64)
         for r, (f, n) in enumerate(zip(features, lengths)):
-            ids[r, :n] = np.asarray(f["input_ids"], dtype=np.int64)
-            labels[r, :n] = np.asarray(f.get("labels", f["input_ids"]), dtype=np.int64)
-            labels[r, 0] = -100
+            ids[r, :n] = np.asarray(f[INPUT_IDS], dtype=np.int64)
+            labels[r, :n] = np.asarray(f.get(LABELS, f[INPUT_IDS]), dtype=np.int64)
+            labels[r, 0] = IGNORE_INDEX
             mask[r, :n] = 1
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                "attention_mask": torch.from_numpy(mask)}
+        return {INPUT_IDS: torch.from_numpy(ids), LABELS: torch.from_numpy(labels),
+                ATTENTION_MASK: torch.from_numpy(mask)}

@@ -1,4 +1,4 @@
-"""Worker of tests/test_training.py: one rank of a torchrun training run; writes its parameter checksum."""
+"""Worker of tests/training/test_training.py: one rank of a torchrun training run; writes its parameter checksum."""
 
 import json
 import os

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hybrid_pack import PackingCollator
 from hybrid_pack.cli import main
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.training import PaddingCollator, TrainConfig, train
-from hybrid_pack.training import trainer as trainer_module
+from hybrid_pack.training import checkpoint as checkpoint_module
 
 
 def _features(seed: int = 0) -> list[dict]:
@@ -56,17 +57,17 @@ def test_resume_after_a_stop_reaches_the_same_parameters(tmp_path, monkeypatch):
     cfg = dict(max_examples=60, capacity=1024, max_steps=4, checkpoint_every=2, progress=False, lr=1e-2)
     full = train(TrainConfig(out=str(tmp_path / "full"), **cfg))
 
-    save = trainer_module._save_checkpoint
+    save = checkpoint_module.save_checkpoint
 
     def crash_after_step_two(path, model, optimizer, scheduler, sampler, step, stats):
         save(path, model, optimizer, scheduler, sampler, step, stats)
         if step == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer_module, "_save_checkpoint", crash_after_step_two)
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", crash_after_step_two)
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(out=str(tmp_path / "cut"), **cfg))
-    monkeypatch.setattr(trainer_module, "_save_checkpoint", save)
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", save)
     resumed = train(TrainConfig(out=str(tmp_path / "cut"), resume=True, **cfg))
 
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
@@ -110,7 +111,7 @@ def test_torchrun_two_processes_agree(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "tests.workers.dist_train", str(tmp_path)]
-    subprocess.run(cmd, check=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    subprocess.run(cmd, check=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3

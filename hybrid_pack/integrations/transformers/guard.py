@@ -1,0 +1,74 @@
+"""The runtime leak guard in a Hugging Face ``Trainer`` (and TRL's trainers, which are ``Trainer``\\ s).
+
+``Trainer(..., callbacks=[PackingGuardCallback()])`` attaches a :class:`~hybrid_pack.testing.PackingGuard`
+to the model when training begins: the first packed micro-batch and every ``every``-th after it are
+checked against their documents run alone, and a leak stops training with an
+:class:`~hybrid_pack.errors.IsolationError` naming the optimizer step and the document. Each log entry
+(``trainer.state.log_history``) after a check carries ``guard_checks`` (checks so far),
+``guard_max_diff`` (largest difference since the previous log) and ``guard_seconds`` (time spent checking).
+
+TRL's ``SFTTrainer`` replaces the model's forward with a fused LM head that returns per-token
+log-probabilities and no logits; the guard then compares the hidden states of the model's backbone
+(``model.base_model``), which that forward still runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from hybrid_pack.errors import InputError
+from hybrid_pack.testing.guard import PackingGuard
+
+__all__ = ["PackingGuardCallback"]
+
+
+class PackingGuardCallback(TrainerCallback):
+    """Attach a :class:`~hybrid_pack.testing.PackingGuard` to the trained model for the length of ``train()``.
+
+    Args:
+        every, documents, action, atol, localize, seed: as for :class:`~hybrid_pack.testing.PackingGuard`.
+
+    Attributes:
+        guard: the guard of the current (or last) ``train()`` call; its ``records`` hold every check.
+    """
+
+    def __init__(self, *, every: int = 100, documents: int = 3, action: str = "raise", atol: float | None = None,
+                 localize: bool = False, seed: int = 0) -> None:
+        self.settings = {"every": every, "documents": documents, "action": action, "atol": atol,
+                         "localize": localize, "seed": seed}
+        PackingGuard(nn.Module(), **self.settings)  # bad settings fail here, not when training starts
+        self.guard: PackingGuard | None = None
+        self._logged = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise InputError("model: the Trainer passed no model to PackingGuardCallback.on_train_begin")
+        if self.guard is not None:
+            self.guard.detach()     # a train() that stopped on a leak left its guard attached
+        self.guard = PackingGuard(model, **self.settings).attach()
+        self._logged = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.step = state.global_step
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Add the checks made since the previous log to this log entry (and to callbacks that log after this one)."""
+        if self.guard is None or len(self.guard.records) == self._logged:
+            return
+        new = self.guard.records[self._logged:]
+        self._logged = len(self.guard.records)
+        figures = {"guard_checks": len(self.guard.records), "guard_max_diff": max(r.max_diff for r in new),
+                   "guard_seconds": sum(r.seconds for r in self.guard.records)}
+        if logs is not None:
+            logs.update(figures)
+        if state.log_history:
+            state.log_history[-1].update(figures)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.detach()

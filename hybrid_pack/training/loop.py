@@ -1,0 +1,123 @@
+"""The optimizer-step loop shared by the packed run and the padded comparison.
+
+Each step is a list of micro-batches (dicts with ``input_ids``, ``labels``, ``real_tokens`` and, for
+packed rows, ``boundaries``). The loss of a step is the mean over its target tokens on every rank
+(``num_items_in_batch``), whatever the grouping of the examples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid_pack.schema import BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH
+from hybrid_pack.testing.guard import PackingGuard
+from hybrid_pack.training.config import TrainConfig
+from hybrid_pack.training.schedule import warmup_cosine
+from hybrid_pack.training.stats import RunStats
+
+REAL_TOKENS = "real_tokens"
+"""Micro-batch entry: tokens that are not padding (a Python int)."""
+
+MicroBatch = dict[str, Any]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
+                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with linear warm-up and cosine decay over ``total_steps``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = warmup_cosine(optimizer, warmup_steps=min(cfg.warmup_steps, max(1, total_steps // 10)),
+                              total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio)
+    return optimizer, scheduler
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Next-token targets of a batch: labels after the shift that are not ``IGNORE_INDEX``."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, total_steps: int, cfg: TrainConfig,
+               device: torch.device, autocast: torch.dtype | None, world: int, describe: str,
+               optimizer: torch.optim.Optimizer, scheduler: Any, stats: RunStats, start_step: int = 0,
+               on_step: Callable[[int], None] | None = None, guard: PackingGuard | None = None) -> RunStats:
+    """Run optimizer steps ``start_step`` .. ``total_steps - 1`` over ``steps``, recording them in ``stats``.
+
+    ``on_step(step)`` runs after each (``step`` counts the steps done); ``guard.step`` names the step being run.
+    """
+    amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
+    progress = _progress_bar(cfg, total_steps, start_step, describe)
+    model.train()
+    step = start_step
+    for micro_batches in steps:
+        if step >= total_steps:
+            break
+        if guard is not None:
+            guard.step = step
+        _synchronize(device)
+        began = time.perf_counter()
+        loss = _optimizer_step(model, micro_batches, optimizer, scheduler, cfg, device, amp, world, stats)
+        _synchronize(device)
+        elapsed = time.perf_counter() - began
+        stats.seconds += elapsed
+        if step == 0:
+            stats.warmup_seconds, stats.warmup_tokens = elapsed, stats.real_tokens
+        stats.losses.append(loss)
+        step += 1
+        if progress is not None:
+            progress.update(1)
+            guarded = {} if guard is None else {"guard": f"{len(guard.records)} checks ok"}
+            progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{stats.tokens_per_second:,.0f}", **guarded)
+        if on_step is not None:
+            on_step(step)
+    if progress is not None:
+        progress.close()
+    return stats
+
+
+def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], optimizer: torch.optim.Optimizer,
+                    scheduler: Any, cfg: TrainConfig, device: torch.device, amp: AbstractContextManager[Any],
+                    world: int, stats: RunStats) -> float:
+    """Forward and backward every micro-batch, clip, step; return the step's loss (every rank's)."""
+    items = torch.tensor(sum(count_targets(mb[LABELS]) for mb in micro_batches), device=device)
+    if world > 1:
+        dist.all_reduce(items)
+    step_loss = 0.0
+    for mb in micro_batches:
+        boundaries = mb.get(BOUNDARIES)
+        inputs = {key: mb[key].to(device, non_blocking=True) for key in (INPUT_IDS, LABELS)}
+        inputs[BOUNDARIES] = boundaries.to(device) if boundaries is not None else None
+        inputs[NUM_ITEMS_IN_BATCH] = items
+        with amp:
+            out = model(**inputs)
+        loss = out.loss * world
+        loss.backward()
+        step_loss += float(loss.detach()) / world
+        stats.real_tokens += int(mb[REAL_TOKENS])
+        stats.computed_tokens += int(mb[INPUT_IDS].numel())
+    if world > 1:
+        total = torch.tensor(step_loss, device=device)
+        dist.all_reduce(total)
+        step_loss = float(total)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
+def _progress_bar(cfg: TrainConfig, total_steps: int, start_step: int, describe: str) -> Any:
+    if not cfg.progress or (dist.is_initialized() and dist.get_rank() != 0):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_steps, initial=start_step, desc=describe, unit="step", leave=True)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
