@@ -117,6 +117,10 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
     if metrics.get("isolation_ok") is not None:
         table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
+    for decision in metrics.get("backends", []):
+        if decision["requires_grad"]:
+            passed_over = "; ".join(f"{name}: {why[:70]}" for name, why in decision["skipped"][:2])
+            table.add_row(f"{decision['op']} runs on", decision["backend"] + (f" ({passed_over})" if passed_over else ""))
     if "guard" in metrics:
         guard = metrics["guard"]
         table.add_row(f"runtime guard (every {guard['every']} packed calls)",

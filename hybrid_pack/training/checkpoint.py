@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.training.stats import RunStats
 
@@ -33,7 +34,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     sampler: PackedBatchSampler, device: torch.device) -> tuple[int, RunStats]:
     """Restore the states saved at ``path`` in place; return the step to continue from and the stats so far."""
     if not path.is_file():
-        raise ValueError(f"resume: no checkpoint at {path}; train without --resume first")
+        raise InputError(f"resume: no checkpoint at {path}; train without --resume first")
     ckpt = torch.load(path, map_location=device, weights_only=False)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])

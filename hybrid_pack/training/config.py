@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_pack.errors import InputError
+
 DEFAULT_GUARD_EVERY = 100
 """Packed micro-batches between two checks of the runtime guard (docs/guard.md: its cost at this N)."""
 
@@ -59,17 +61,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("capacity", "epochs", "grad_accum"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: expected a positive int; got {getattr(self, name)}")
+                raise InputError(f"{name}: expected a positive int; got {getattr(self, name)}")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
-            raise ValueError(f"guard_every: expected an int >= 0 (0 turns the guard off); got {self.guard_every!r}")
+            raise InputError(f"guard_every: expected an int >= 0 (0 turns the guard off); got {self.guard_every!r}")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps: expected a positive int or None; got {self.max_steps}")
+            raise InputError(f"max_steps: expected a positive int or None; got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:
-            raise ValueError(f"max_examples: expected a positive int or None; got {self.max_examples}")
+            raise InputError(f"max_examples: expected a positive int or None; got {self.max_examples}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype: expected 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
+            raise InputError(f"dtype: expected 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
         if self.data != "gsm8k" and not Path(self.data).is_file():
-            raise ValueError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
+            raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
 
     @property
     def out_dir(self) -> Path:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from hybrid_pack.data import load_gsm8k, tokenize_chats
+from hybrid_pack.errors import InputError
 from hybrid_pack.modeling.vocab import VocabRemap
 from hybrid_pack.schema import INPUT_IDS
 
@@ -24,11 +25,11 @@ def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any
                     continue
                 row = json.loads(line)
                 if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                    raise ValueError(f"data: line {number} of {data} has no 'messages' list; expected one "
+                    raise InputError(f"data: line {number} of {data} has no 'messages' list; expected one "
                                      '{"messages": [{"role": ..., "content": ...}, ...]} object per line')
                 chats.append(row)
         if not chats:
-            raise ValueError(f"data: {data} holds no chats")
+            raise InputError(f"data: {data} holds no chats")
     return chats[:max_examples]
 
 

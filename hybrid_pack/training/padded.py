@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS
 
 
@@ -28,7 +29,7 @@ class PaddingCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not features:
-            raise ValueError("features: expected at least one example")
+            raise InputError("features: expected at least one example")
         lengths = [len(f[INPUT_IDS]) for f in features]
         rows, width = len(features), max(lengths)
         ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)

@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.errors import IsolationError
+from hybrid_pack.backends import decisions
+from hybrid_pack.errors import InputError, IsolationError
+from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS
 from hybrid_pack.testing.guard import PackingGuard
@@ -120,7 +122,7 @@ def _start(cfg: TrainConfig) -> _Process:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     if cfg.compare_padded and world > 1:
-        raise ValueError("compare_padded: run the padded comparison on one process (without torchrun)")
+        raise InputError("compare_padded: run the padded comparison on one process (without torchrun)")
     if cfg.device:
         device = torch.device(cfg.device)
     elif torch.cuda.is_available():
@@ -199,7 +201,14 @@ def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatc
         "mean_pack_fill": sum(fills) / max(1, len(fills)),
         "final_loss": stats.losses[-1] if stats.losses else None,
         "first_loss": stats.losses[0] if stats.losses else None, "losses": stats.losses, "seconds": stats.seconds,
+        "backends": _backends_used(proc.device),
     }
+
+
+def _backends_used(device: torch.device) -> list[dict[str, Any]]:
+    """Which backend ran each op's calls on ``device`` during training, and why not the ones before it."""
+    name = device_name(device)
+    return [asdict(d) for d in decisions() if d.device == name]
 
 
 def _pack_fills(stats: RunStats, lengths: Sequence[int], capacity: int) -> list[float]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.errors import InputError
+
 __all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model", "pure_torch_transformers"]
 
 VOCAB = 128
@@ -146,7 +148,7 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
 def tiny_config(family: str) -> Any:
     """The tiny config of ``family`` (a key of :data:`TINY_CONFIGS`)."""
     if family not in TINY_CONFIGS:
-        raise ValueError(f"family: expected one of {sorted(TINY_CONFIGS)}; got {family!r}")
+        raise InputError(f"family: expected one of {sorted(TINY_CONFIGS)}; got {family!r}")
     return TINY_CONFIGS[family]()
 
 
