@@ -19,7 +19,7 @@ from hybrid_pack.packing import PackedBatchSampler
 from hybrid_pack.packing.balance import TokenCost, assign_packs
 from hybrid_pack.packing.slicing import SlicedDataset
 
-LENGTHS_DIR = Path(__file__).resolve().parents[1] / "hybrid_pack" / "data" / "assets" / "lengths"
+LENGTHS_DIR = Path(__file__).resolve().parents[2] / "hybrid_pack" / "data" / "assets" / "lengths"
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
