@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybrid_pack.errors import InputError
+
 __all__ = ["BalanceStats", "TokenCost", "assign_packs", "balance_stats", "pack_costs"]
 
 
@@ -37,14 +39,14 @@ class TokenCost:
 
     def __post_init__(self) -> None:
         if self.linear < 0 or self.quadratic < 0 or self.linear + self.quadratic <= 0:
-            raise ValueError(f"TokenCost: expected linear >= 0 and quadratic >= 0, not both 0; "
+            raise InputError(f"TokenCost: expected linear >= 0 and quadratic >= 0, not both 0; "
                              f"got linear={self.linear}, quadratic={self.quadratic}")
 
     @classmethod
     def for_model(cls, hidden_size: int, num_layers: int, num_attention_layers: int) -> TokenCost:
         """The cost of a model with ``num_attention_layers`` softmax-attention layers out of ``num_layers``."""
         if hidden_size < 1 or num_layers < 1 or not 0 <= num_attention_layers <= num_layers:
-            raise ValueError(f"for_model: expected hidden_size >= 1, num_layers >= 1 and "
+            raise InputError(f"for_model: expected hidden_size >= 1, num_layers >= 1 and "
                              f"0 <= num_attention_layers <= num_layers; got {hidden_size}, {num_layers}, "
                              f"{num_attention_layers}")
         return cls(linear=1.0, quadratic=num_attention_layers / (num_layers * 12.0 * hidden_size))
@@ -86,7 +88,7 @@ def assign_packs(costs: np.ndarray, num_replicas: int, packs_per_step: int, *,
     costs = np.asarray(costs, dtype=np.float64)
     group = num_replicas * packs_per_step
     if costs.ndim != 1 or costs.shape[0] % group:
-        raise ValueError(f"costs: expected a 1-D array whose length is a multiple of num_replicas * packs_per_step "
+        raise InputError(f"costs: expected a 1-D array whose length is a multiple of num_replicas * packs_per_step "
                          f"= {group}; got shape {list(costs.shape)}")
     num_steps = costs.shape[0] // group
     key = costs if rng is None else costs * (1.0 + jitter * rng.random(costs.shape[0]))
@@ -127,7 +129,7 @@ def balance_stats(step_costs: np.ndarray) -> BalanceStats:
     """Balance of a float ``[steps, R]`` array of per-rank step costs."""
     step_costs = np.asarray(step_costs, dtype=np.float64)
     if step_costs.ndim != 2 or step_costs.size == 0:
-        raise ValueError(f"step_costs: expected a non-empty [steps, ranks] array; got shape {list(step_costs.shape)}")
+        raise InputError(f"step_costs: expected a non-empty [steps, ranks] array; got shape {list(step_costs.shape)}")
     totals = step_costs.sum(axis=0)
     return BalanceStats(
         epoch_max_over_mean=float(totals.max() / totals.mean()),

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import PackPlan, plan_packs
+from hybrid_pack.schema import INPUT_IDS
 
 if TYPE_CHECKING:
     import datasets
@@ -56,8 +58,8 @@ class _TokenizeBatch:
             ids = [encoding.ids for encoding in self.tokenizer.encode_batch(texts)]
         else:
             out = self.tokenizer(texts)
-            ids = out["input_ids"] if isinstance(out, Mapping) else out
-        return {"input_ids": ids, "length": [len(x) for x in ids]}
+            ids = out[INPUT_IDS] if isinstance(out, Mapping) else out
+        return {INPUT_IDS: ids, "length": [len(x) for x in ids]}
 
 
 def tokenize_and_plan(
@@ -77,7 +79,7 @@ def tokenize_and_plan(
     Args:
         dataset: a map-style ``datasets.Dataset`` with a string column ``text_column``.
         tokenizer: a ``tokenizers.Tokenizer`` (``encode_batch``), a ``transformers`` tokenizer (called
-            on a list of texts, ``["input_ids"]`` read), or any picklable callable mapping a list of
+            on a list of texts, its ``input_ids`` read), or any picklable callable mapping a list of
             texts to a list of token-id lists.
         capacity: tokens per pack.
         text_column: the column holding the text; it is removed from the output.
@@ -88,16 +90,16 @@ def tokenize_and_plan(
 
     Returns:
         A :class:`TokenizedPlan` ``(dataset, lengths, plan)``. An example with no token raises
-        ``ValueError`` (filter empty texts first).
+        :class:`~hybrid_pack.errors.InputError` (filter empty texts first).
     """
     import datasets
 
     if text_column not in dataset.column_names:
-        raise ValueError(f"text_column: expected one of the dataset's columns {dataset.column_names}; "
+        raise InputError(f"text_column: expected one of the dataset's columns {dataset.column_names}; "
                          f"got {text_column!r}")
     features = datasets.Features({
         **{name: feature for name, feature in dataset.features.items() if name != text_column},
-        "input_ids": datasets.List(datasets.Value("int32")),
+        INPUT_IDS: datasets.List(datasets.Value("int32")),
         "length": datasets.Value("int32"),
     })
     tokenized = dataset.map(_TokenizeBatch(tokenizer, text_column), batched=True, batch_size=batch_size,
@@ -106,6 +108,6 @@ def tokenize_and_plan(
     lengths = np.asarray(tokenized.with_format("numpy")["length"], dtype=np.int64)
     empty = np.flatnonzero(lengths == 0)
     if empty.size:
-        raise ValueError(f"{text_column}[{int(empty[0])}]: tokenized to no token ({empty.size} example(s) affected); "
+        raise InputError(f"{text_column}[{int(empty[0])}]: tokenized to no token ({empty.size} example(s) affected); "
                          f"filter empty texts out first (dataset.filter(lambda row: row[{text_column!r}] != ''))")
     return TokenizedPlan(tokenized, lengths, plan_packs(lengths, capacity, strategy=strategy, overflow=overflow))

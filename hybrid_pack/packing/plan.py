@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.strategies import ORDER_KEEPING, STRATEGIES, assign_bins, group_by_bin
 
 __all__ = ["OVERFLOW_POLICIES", "STRATEGIES", "PackPlan", "plan_packs"]
@@ -128,11 +129,22 @@ class PackPlan:
 
 
 def _check_int(field: str, value: Any, *, minimum: int) -> int:
+    """``value`` as an int, refused unless it is an int (not a bool) ``>= minimum``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{field}: expected an int >= {minimum}; got {value!r} ({type(value).__name__})")
+        raise InputError(f"{field}: expected an int >= {minimum}; got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{field}: expected an int >= {minimum}; got {value}")
+        raise InputError(f"{field}: expected an int >= {minimum}; got {value}")
     return int(value)
+
+
+def _check_settings(capacity: Any, strategy: str, overflow: str, seed: Any) -> tuple[int, int | None]:
+    """``(capacity, seed)`` as ints, after checking every setting of :func:`plan_packs` but the lengths."""
+    capacity = _check_int("capacity", capacity, minimum=1)
+    if strategy not in STRATEGIES:
+        raise InputError(f"strategy: expected one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}")
+    if overflow not in OVERFLOW_POLICIES:
+        raise InputError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
+    return capacity, None if seed is None else _check_int("seed", seed, minimum=0)
 
 
 def _check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -140,18 +152,18 @@ def _check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     try:
         array = np.asarray(lengths)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"lengths: expected a 1-D sequence of ints; could not read it as an array ({err})") from None
+        raise InputError(f"lengths: expected a 1-D sequence of ints; could not read it as an array ({err})") from None
     if array.ndim != 1:
-        raise ValueError(f"lengths: expected a 1-D sequence of ints (one token count per example); "
+        raise InputError(f"lengths: expected a 1-D sequence of ints (one token count per example); "
                          f"got shape {list(array.shape)}")
     if array.size and (array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)):
-        raise ValueError(f"lengths: expected integer token counts; got dtype {array.dtype} "
+        raise InputError(f"lengths: expected integer token counts; got dtype {array.dtype} "
                          f"(convert with np.asarray(lengths, dtype=np.int64))")
     array = array.astype(np.int64)
     bad = np.flatnonzero(array < 1)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"lengths[{i}]: expected a token count >= 1; got {int(array[i])} "
+        raise InputError(f"lengths[{i}]: expected a token count >= 1; got {int(array[i])} "
                          f"({bad.size} example(s) affected; remove empty examples before planning)")
     return array
 
@@ -161,7 +173,7 @@ def _documents(lengths: np.ndarray, capacity: int, overflow: str) -> tuple[np.nd
     too_long = lengths > capacity
     if overflow == "error" and too_long.any():
         i = int(np.argmax(too_long))
-        raise ValueError(f"lengths[{i}]: example {i} has {int(lengths[i])} tokens, more than capacity={capacity} "
+        raise InputError(f"lengths[{i}]: example {i} has {int(lengths[i])} tokens, more than capacity={capacity} "
                          f"({int(too_long.sum())} example(s) affected); pass overflow='truncate', 'split' or "
                          f"'drop', or raise capacity")
     if overflow == "split":
@@ -173,6 +185,38 @@ def _documents(lengths: np.ndarray, capacity: int, overflow: str) -> tuple[np.nd
     example_index = np.flatnonzero(~too_long) if overflow == "drop" else np.arange(lengths.size, dtype=np.int64)
     stop = np.minimum(lengths[example_index], capacity)
     return example_index.astype(np.int64), np.zeros_like(stop), stop
+
+
+def _assign_packs(sizes: np.ndarray, capacity: int, strategy: str,
+                  rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+    """Documents grouped pack after pack: ``(items, pack_offsets)`` as :func:`group_by_bin` returns them.
+
+    With ``rng``, a size-sorting strategy takes equal sizes in a random order, and the packs come
+    out in a random order (two permutations drawn in this order); without, in input and opening order.
+    """
+    if rng is None or strategy in ORDER_KEEPING:
+        order = np.arange(sizes.size, dtype=np.int64)
+    else:
+        order = rng.permutation(sizes.size).astype(np.int64)
+    bin_of_item, num_packs = assign_bins(sizes, capacity, strategy, order)
+    pack_rank = (np.arange(num_packs, dtype=np.int64) if rng is None
+                 else rng.permutation(num_packs).astype(np.int64))
+    return group_by_bin(bin_of_item, pack_rank)
+
+
+def _pack_tokens(item_lengths: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
+    """int64 ``[P]``, tokens in each pack, from the lengths of the items stored pack after pack."""
+    token_offsets = np.zeros(item_lengths.size + 1, np.int64)
+    np.cumsum(item_lengths, out=token_offsets[1:])
+    return np.diff(token_offsets[pack_offsets])
+
+
+def _overflow_counts(lengths: np.ndarray, capacity: int, overflow: str) -> dict[str, int]:
+    """The :class:`PackPlan` counts of examples over ``capacity``: all under ``overflow``'s name, 0 elsewhere."""
+    num_over = int((lengths > capacity).sum())
+    return {"num_truncated": num_over if overflow == "truncate" else 0,
+            "num_split": num_over if overflow == "split" else 0,
+            "num_dropped": num_over if overflow == "drop" else 0}
 
 
 def plan_packs(
@@ -209,49 +253,28 @@ def plan_packs(
         plan is a pure function of the arguments.
 
     Raises:
-        ValueError: malformed ``lengths`` / ``capacity`` / ``seed``, unknown ``strategy`` or
-            ``overflow``, or (``overflow="error"``) an example longer than ``capacity``.
+        InputError: (a ``ValueError``) malformed ``lengths`` / ``capacity`` / ``seed``, unknown
+            ``strategy`` or ``overflow``, or (``overflow="error"``) an example longer than ``capacity``.
     """
-    capacity = _check_int("capacity", capacity, minimum=1)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: expected one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}")
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
-    if seed is not None:
-        seed = _check_int("seed", seed, minimum=0)
+    capacity, seed = _check_settings(capacity, strategy, overflow, seed)
     lengths = _check_lengths(lengths)
-
     example_index, start, stop = _documents(lengths, capacity, overflow)
-    sizes = stop - start
     rng = np.random.default_rng(seed) if seed is not None else None
-    num_documents = sizes.size
-    if rng is None or strategy in ORDER_KEEPING:
-        order = np.arange(num_documents, dtype=np.int64)
-    else:
-        order = rng.permutation(num_documents).astype(np.int64)
-    bin_of_item, num_packs = assign_bins(sizes, capacity, strategy, order)
-    pack_rank = (np.arange(num_packs, dtype=np.int64) if rng is None
-                 else rng.permutation(num_packs).astype(np.int64))
-    items, pack_offsets = group_by_bin(bin_of_item, pack_rank)
+    items, pack_offsets = _assign_packs(stop - start, capacity, strategy, rng)
     example_index, start, stop = example_index[items], start[items], stop[items]
-
-    token_offsets = np.zeros(num_documents + 1, np.int64)
-    np.cumsum(stop - start, out=token_offsets[1:])
-    num_over = int((lengths > capacity).sum())
+    pack_tokens = _pack_tokens(stop - start, pack_offsets)
     return PackPlan(
         example_index=example_index,
         start=start,
         stop=stop,
         pack_offsets=pack_offsets,
-        pack_tokens=np.diff(token_offsets[pack_offsets]),
+        pack_tokens=pack_tokens,
         capacity=capacity,
         strategy=strategy,
         overflow=overflow,
         seed=seed,
         num_examples=int(lengths.size),
         tokens_in=int(lengths.sum()),
-        tokens_kept=int(token_offsets[-1]),
-        num_truncated=num_over if overflow == "truncate" else 0,
-        num_split=num_over if overflow == "split" else 0,
-        num_dropped=num_over if overflow == "drop" else 0,
+        tokens_kept=int(pack_tokens.sum()),
+        **_overflow_counts(lengths, capacity, overflow),
     )

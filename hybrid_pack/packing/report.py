@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import PackPlan
 
 __all__ = ["PackingReport", "packing_report"]
@@ -113,7 +114,7 @@ def packing_report(plan: PackPlan, *, batch_size: int = 8) -> PackingReport:
         batch_size: rows per padded batch in the comparison (documents in example order).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected an int >= 1; got {batch_size!r}")
+        raise InputError(f"batch_size: expected an int >= 1; got {batch_size!r}")
     in_example_order = np.lexsort((plan.start, plan.example_index))
     lengths = plan.item_lengths[in_example_order]
     return PackingReport(

@@ -19,46 +19,162 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybrid_pack.collate import IGNORE_INDEX, PackingCollator
-from hybrid_pack.packing.plan import plan_packs
+from hybrid_pack.collate import PackingCollator
+from hybrid_pack.errors import InputError
+from hybrid_pack.packing.plan import PackPlan, plan_packs
+from hybrid_pack.schema import (
+    ADVANTAGES,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    NUM_PAD_TOKENS,
+    OLD_LOGPROBS,
+    RESPONSE_MASK,
+    ROLLOUT_TOKEN_KEYS,
+    SAMPLE_INDEX,
+    TOOL_MASK,
+)
 
 __all__ = ["ROLLOUT_TOKEN_KEYS", "pack_rollouts"]
 
-ROLLOUT_TOKEN_KEYS = ("response_mask", "tool_mask", "advantages", "old_logprobs", "sample_index")
-"""Per-token keys :func:`pack_rollouts` adds to each collator batch."""
-
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+_OVERFLOW_POLICIES = ("error", "truncate", "drop")
+"""The ``overflow`` policies of :func:`pack_rollouts` (not ``"split"``: a piece without its prompt is no rollout)."""
 
 
 def _flat(field: str, values: Sequence[Any], lengths: np.ndarray, dtype: type) -> np.ndarray:
     """One array of ``sum(lengths)`` entries from per-sample sequences, each checked against its length."""
     if len(values) != lengths.shape[0]:
-        raise ValueError(f"{field}: expected one entry per sample ({lengths.shape[0]}); got {len(values)}")
+        raise InputError(f"{field}: expected one entry per sample ({lengths.shape[0]}); got {len(values)}")
     arrays = [np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=dtype) for v in values]
-    for i, (array, n) in enumerate(zip(arrays, lengths.tolist())):
+    for i, (array, n) in enumerate(zip(arrays, lengths.tolist(), strict=True)):
         if array.ndim != 1 or array.shape[0] != n:
-            raise ValueError(f"{field}[{i}]: expected a flat sequence of {n} values (one per token); "
+            raise InputError(f"{field}[{i}]: expected a flat sequence of {n} values (one per token); "
                              f"got shape {list(array.shape)}")
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
 def _token_lengths(sequences: Sequence[TokenIds]) -> np.ndarray:
+    """int64 ``[N]``, the length of each sequence."""
     return np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """``concat(arange(n) for n in lengths)`` without a Python loop."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) - starts
+
+
+def _check_rollouts(prompts: Sequence[TokenIds], responses: Sequence[TokenIds],
+                    overflow: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(prompt_lengths, response_lengths)``, int64 ``[N]``, after checking the samples and ``overflow``."""
+    if len(prompts) != len(responses):
+        raise InputError(f"responses: expected one response per prompt ({len(prompts)}); got {len(responses)}")
+    if overflow not in _OVERFLOW_POLICIES:
+        raise InputError(f"overflow: expected 'error', 'truncate' or 'drop' (a rollout piece without its "
+                         f"prompt cannot be trained on, so 'split' is not offered); got {overflow!r}")
+    prompt_lengths = _token_lengths(prompts)
+    response_lengths = _token_lengths(responses)
+    empty = np.flatnonzero(response_lengths == 0)
+    if empty.size:
+        raise InputError(f"responses[{int(empty[0])}]: expected at least one token; got an empty response "
+                         f"({empty.size} sample(s) affected)")
+    return prompt_lengths, response_lengths
+
+
+def _sample_starts(lengths: np.ndarray) -> np.ndarray:
+    """int64 ``[N+1]``, where each sample starts in the concatenation of all samples (then the total)."""
+    starts = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    return starts
+
+
+def _response_tokens(sample_start: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
+    """bool ``[T]`` over the concatenated samples: True on every response token."""
+    is_response = np.ones(int(sample_start[-1]), dtype=bool)
+    is_response[np.repeat(sample_start[:-1], prompt_lengths) + _ranges(prompt_lengths)] = False
+    return is_response
+
+
+def _token_ids(prompts: Sequence[TokenIds], responses: Sequence[TokenIds], prompt_lengths: np.ndarray,
+               response_lengths: np.ndarray, is_response: np.ndarray) -> np.ndarray:
+    """int64 ``[T]``, the token ids of every sample, prompt then response, samples one after another."""
+    input_ids = np.empty(is_response.shape[0], dtype=np.int64)
+    input_ids[~is_response] = _flat("prompts", prompts, prompt_lengths, np.int64)
+    input_ids[is_response] = _flat("responses", responses, response_lengths, np.int64)
+    return input_ids
+
+
+def _tool_mask(tool_masks: Sequence[Sequence[int]], response_lengths: np.ndarray) -> np.ndarray:
+    """int64, one 0/1 per response token of every sample (checked)."""
+    tool = _flat("tool_masks", tool_masks, response_lengths, np.int64)
+    if ((tool != 0) & (tool != 1)).any():
+        raise InputError("tool_masks: expected only 0 and 1 (1 where a tool's output was injected)")
+    return tool
 
 
 def _advantages(advantages: Sequence[Any], response_lengths: np.ndarray) -> np.ndarray:
     """Per-response-token advantages from per-sample scalars (broadcast) or per-token sequences."""
     if len(advantages) != response_lengths.shape[0]:
-        raise ValueError(f"advantages: expected one entry per sample ({response_lengths.shape[0]}); "
+        raise InputError(f"advantages: expected one entry per sample ({response_lengths.shape[0]}); "
                          f"got {len(advantages)}")
     scalar = np.array([np.ndim(a) == 0 for a in advantages])
     if scalar.all():
         return np.repeat(np.asarray(advantages, dtype=np.float32), response_lengths)
     if scalar.any():
         i = int(np.argmax(scalar))
-        raise ValueError(f"advantages[{i}]: expected the same form for every sample (all scalars or all "
+        raise InputError(f"advantages[{i}]: expected the same form for every sample (all scalars or all "
                          f"per-token sequences); got a scalar among sequences")
-    return _flat("advantages", advantages, response_lengths, np.float32)
+    return _flat(ADVANTAGES, advantages, response_lengths, np.float32)
+
+
+def _rollout_fields(is_response: np.ndarray, lengths: np.ndarray, response_lengths: np.ndarray,
+                    tool_masks: Sequence[Sequence[int]] | None,
+                    advantages: Sequence[float] | Sequence[Sequence[float]] | None,
+                    old_logprobs: Sequence[Sequence[float]] | None) -> dict[str, np.ndarray]:
+    """The per-token RL fields (:data:`ROLLOUT_TOKEN_KEYS`) over the concatenated samples; 0 where not given."""
+    num_tokens = is_response.shape[0]
+    fields = {
+        RESPONSE_MASK: is_response.astype(np.int64),
+        TOOL_MASK: np.zeros(num_tokens, dtype=np.int64),
+        SAMPLE_INDEX: np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths),
+        ADVANTAGES: np.zeros(num_tokens, dtype=np.float32),
+        OLD_LOGPROBS: np.zeros(num_tokens, dtype=np.float32),
+    }
+    if tool_masks is not None:
+        fields[TOOL_MASK][is_response] = _tool_mask(tool_masks, response_lengths)
+    if advantages is not None:
+        fields[ADVANTAGES][is_response] = _advantages(advantages, response_lengths)
+    if old_logprobs is not None:
+        fields[OLD_LOGPROBS][is_response] = _flat(OLD_LOGPROBS, old_logprobs, response_lengths, np.float32)
+    return fields
+
+
+def _policy_labels(input_ids: np.ndarray, fields: dict[str, np.ndarray]) -> np.ndarray:
+    """The token ids on the policy's own tokens (response, not tool output), IGNORE_INDEX elsewhere."""
+    policy_token = (fields[RESPONSE_MASK] == 1) & (fields[TOOL_MASK] == 0)
+    return np.where(policy_token, input_ids, IGNORE_INDEX)
+
+
+def _collate_packs(plan: PackPlan, sample_start: np.ndarray, input_ids: np.ndarray, labels: np.ndarray,
+                   fields: dict[str, np.ndarray], pad_to_multiple_of: int | None) -> list[dict[str, Any]]:
+    """One collator batch per pack of ``plan``, cut from the per-token arrays of the concatenated samples.
+
+    ``sample_index`` is -1 on the padding segment.
+    """
+    collator = PackingCollator(extra_token_keys=tuple(fields), pad_to_multiple_of=pad_to_multiple_of)
+    starts = sample_start[plan.example_index] + plan.start
+    stops = sample_start[plan.example_index] + plan.stop
+    batches = []
+    for first, last in itertools.pairwise(plan.pack_offsets.tolist()):
+        features = [{INPUT_IDS: input_ids[a:b], LABELS: labels[a:b], **{k: v[a:b] for k, v in fields.items()}}
+                    for a, b in zip(starts[first:last].tolist(), stops[first:last].tolist(), strict=True)]
+        batch = collator(features)
+        if batch.get(NUM_PAD_TOKENS):
+            batch[SAMPLE_INDEX][:, -batch[NUM_PAD_TOKENS]:] = -1
+        batches.append(batch)
+    return batches
 
 
 def pack_rollouts(
@@ -97,67 +213,18 @@ def pack_rollouts(
         ``tool_mask`` (int64, 1 on injected tool output), ``advantages`` and ``old_logprobs``
         (float32, 0 on prompt tokens; all zeros when not given) and ``sample_index`` (int64, the sample of
         each token, -1 on padding). ``labels`` are the token ids where ``response_mask * (1 - tool_mask)`` is 1 and
-        -100 elsewhere, so ``packed_loss(logits, batch["labels"])`` is the NLL of the policy's tokens.
+        -100 elsewhere, so :func:`~hybrid_pack.packed_loss` on them is the NLL of the policy's tokens.
+
+    Raises:
+        InputError: (a ``ValueError``) mismatched or malformed per-sample sequences, an empty
+            response, a tool mask other than 0/1, or any :func:`~hybrid_pack.plan_packs` error.
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"responses: expected one response per prompt ({len(prompts)}); got {len(responses)}")
-    if overflow not in ("error", "truncate", "drop"):
-        raise ValueError(f"overflow: expected 'error', 'truncate' or 'drop' (a rollout piece without its "
-                         f"prompt cannot be trained on, so 'split' is not offered); got {overflow!r}")
-    prompt_lengths = _token_lengths(prompts)
-    response_lengths = _token_lengths(responses)
-    empty = np.flatnonzero(response_lengths == 0)
-    if empty.size:
-        raise ValueError(f"responses[{int(empty[0])}]: expected at least one token; got an empty response "
-                         f"({empty.size} sample(s) affected)")
+    prompt_lengths, response_lengths = _check_rollouts(prompts, responses, overflow)
     lengths = prompt_lengths + response_lengths
     plan = plan_packs(lengths, capacity, strategy=strategy, overflow=overflow)
-
-    num_samples = lengths.shape[0]
-    sample_start = np.zeros(num_samples + 1, dtype=np.int64)
-    np.cumsum(lengths, out=sample_start[1:])
-    is_response = np.ones(int(sample_start[-1]), dtype=bool)
-    is_response[np.repeat(sample_start[:-1], prompt_lengths) + _ranges(prompt_lengths)] = False
-    response_positions = np.flatnonzero(is_response)
-    input_ids = np.empty(is_response.shape[0], dtype=np.int64)
-    input_ids[~is_response] = _flat("prompts", prompts, prompt_lengths, np.int64)
-    input_ids[response_positions] = _flat("responses", responses, response_lengths, np.int64)
-
-    fields: dict[str, np.ndarray] = {
-        "response_mask": is_response.astype(np.int64),
-        "tool_mask": np.zeros(input_ids.shape[0], dtype=np.int64),
-        "sample_index": np.repeat(np.arange(num_samples, dtype=np.int64), lengths),
-    }
-    if tool_masks is not None:
-        tool = _flat("tool_masks", tool_masks, response_lengths, np.int64)
-        if ((tool != 0) & (tool != 1)).any():
-            raise ValueError("tool_masks: expected only 0 and 1 (1 where a tool's output was injected)")
-        fields["tool_mask"][response_positions] = tool
-    fields["advantages"] = np.zeros(input_ids.shape[0], dtype=np.float32)
-    fields["old_logprobs"] = np.zeros(input_ids.shape[0], dtype=np.float32)
-    if advantages is not None:
-        fields["advantages"][response_positions] = _advantages(advantages, response_lengths)
-    if old_logprobs is not None:
-        fields["old_logprobs"][response_positions] = _flat("old_logprobs", old_logprobs, response_lengths, np.float32)
-    policy_token = (fields["response_mask"] == 1) & (fields["tool_mask"] == 0)
-    labels = np.where(policy_token, input_ids, IGNORE_INDEX)
-
-    collator = PackingCollator(extra_token_keys=tuple(fields), pad_to_multiple_of=pad_to_multiple_of)
-    starts = sample_start[plan.example_index] + plan.start
-    stops = sample_start[plan.example_index] + plan.stop
-    offsets = plan.pack_offsets.tolist()
-    batches = []
-    for first, last in itertools.pairwise(offsets):
-        features = [{"input_ids": input_ids[a:b], "labels": labels[a:b], **{k: v[a:b] for k, v in fields.items()}}
-                    for a, b in zip(starts[first:last].tolist(), stops[first:last].tolist())]
-        batch = collator(features)
-        if batch.get("num_pad_tokens"):
-            batch["sample_index"][:, -batch["num_pad_tokens"]:] = -1
-        batches.append(batch)
-    return batches
-
-
-def _ranges(lengths: np.ndarray) -> np.ndarray:
-    """``concat(arange(n) for n in lengths)`` without a Python loop."""
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.arange(int(lengths.sum()), dtype=np.int64) - starts
+    sample_start = _sample_starts(lengths)
+    is_response = _response_tokens(sample_start, prompt_lengths)
+    input_ids = _token_ids(prompts, responses, prompt_lengths, response_lengths, is_response)
+    fields = _rollout_fields(is_response, lengths, response_lengths, tool_masks, advantages, old_logprobs)
+    return _collate_packs(plan, sample_start, input_ids, _policy_labels(input_ids, fields), fields,
+                          pad_to_multiple_of)

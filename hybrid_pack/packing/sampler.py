@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.balance import BalanceStats, TokenCost, assign_packs, balance_stats, pack_costs
 from hybrid_pack.packing.plan import PackPlan, plan_packs
 
@@ -40,7 +41,7 @@ Batch = list[int] | list[tuple[int, int, int]]
 
 def _check_int(field: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{field}: expected an int >= {minimum}; got {value!r}")
+        raise InputError(f"{field}: expected an int >= {minimum}; got {value!r}")
     return int(value)
 
 
@@ -128,7 +129,8 @@ class PackedBatchSampler(Sampler[Batch]):
     ) -> None:
         self.num_replicas = _check_int("num_replicas", num_replicas, 1)
         if rank is not None and not (isinstance(rank, (int, np.integer)) and 0 <= rank < num_replicas):
-            raise ValueError(f"rank: expected an int in [0, {num_replicas}) or None (all ranks interleaved); got {rank!r}")
+            raise InputError(f"rank: expected an int in [0, {num_replicas}) or None (all ranks interleaved); "
+                             f"got {rank!r}")
         self.rank = None if rank is None else int(rank)
         self.seed = _check_int("seed", seed, 0)
         self.shuffle = bool(shuffle)
@@ -136,7 +138,7 @@ class PackedBatchSampler(Sampler[Batch]):
         self.cost = cost if cost is not None else TokenCost()
         self.plan = plan_packs(lengths, capacity, strategy=strategy, overflow=overflow, seed=self.seed)
         if self.plan.num_documents == 0:
-            raise ValueError("lengths: no example to pack (the list is empty, or overflow='drop' dropped every "
+            raise InputError("lengths: no example to pack (the list is empty, or overflow='drop' dropped every "
                              "example as longer than capacity: raise capacity or use overflow='truncate' or 'split')")
         self._yields_slices = overflow in ("truncate", "split")
 
@@ -170,7 +172,8 @@ class PackedBatchSampler(Sampler[Batch]):
         epoch = self._epoch if epoch is None else _check_int("epoch", epoch, 0)
         if self._cached_layout is None or self._cached_layout[0] != epoch:
             rng = np.random.default_rng((self.seed, epoch)) if self.shuffle else None
-            self._cached_layout = (epoch, assign_packs(self.pack_costs, self.num_replicas, self.packs_per_step, rng=rng))
+            layout = assign_packs(self.pack_costs, self.num_replicas, self.packs_per_step, rng=rng)
+            self._cached_layout = (epoch, layout)
         return self._cached_layout[1]
 
     def balance(self, epoch: int | None = None) -> BalanceStats:
@@ -229,10 +232,10 @@ class PackedBatchSampler(Sampler[Batch]):
         (none if the epoch was complete); later iterations start from the beginning again."""
         for key, value in self._fingerprint().items():
             if key in state and state[key] != value:
-                raise ValueError(f"state_dict: {key} is {state[key]} in the checkpoint but {value} here; "
+                raise InputError(f"state_dict: {key} is {state[key]} in the checkpoint but {value} here; "
                                  f"resume with the sampler settings of the interrupted run")
         epoch = _check_int("epoch", state.get("epoch"), 0)
         step = _check_int("step", state.get("step"), 0)
         if step > len(self):
-            raise ValueError(f"step: expected at most {len(self)} (batches per epoch); got {step}")
+            raise InputError(f"step: expected at most {len(self)} (batches per epoch); got {step}")
         self._epoch, self._yielded, self._resume_step = epoch, step, step

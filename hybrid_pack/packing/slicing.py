@@ -16,6 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hybrid_pack.errors import InputError
+from hybrid_pack.schema import INPUT_IDS
+
 __all__ = ["SlicedDataset", "slice_example"]
 
 
@@ -26,18 +29,18 @@ def _is_per_token(value: Any, length: int) -> bool:
 
 
 def slice_example(example: Mapping[str, Any], start: int, stop: int, *,
-                  length_key: str = "input_ids") -> dict[str, Any]:
+                  length_key: str = INPUT_IDS) -> dict[str, Any]:
     """A shallow copy of ``example`` with every per-token field cut to ``[start, stop)``.
 
     A field is per-token when it is a sequence (not a string), numpy array or tensor with as many
     entries as ``example[length_key]``; other fields (ids, scalars, text, metadata) are kept as they are.
     """
     if length_key not in example:
-        raise ValueError(f"{length_key}: expected the example to have this per-token field; "
+        raise InputError(f"{length_key}: expected the example to have this per-token field; "
                          f"got keys {sorted(example)}")
     length = len(example[length_key])
     if not 0 <= start < stop <= length:
-        raise ValueError(f"start, stop: expected 0 <= start < stop <= {length} (the example's {length_key} length); "
+        raise InputError(f"start, stop: expected 0 <= start < stop <= {length} (the example's {length_key} length); "
                          f"got {start}, {stop}")
     return {key: value[start:stop] if _is_per_token(value, length) else value for key, value in example.items()}
 
@@ -49,7 +52,7 @@ class SlicedDataset(Dataset):
     dataset with this when the sampler or plan truncates or splits examples.
     """
 
-    def __init__(self, dataset: Sequence[Mapping[str, Any]], *, length_key: str = "input_ids") -> None:
+    def __init__(self, dataset: Sequence[Mapping[str, Any]], *, length_key: str = INPUT_IDS) -> None:
         self.dataset = dataset
         self.length_key = length_key
 

@@ -166,41 +166,239 @@ def _best_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     return bins, num_bins
 
 
+# A refill round keeps every item on exactly one list, linked through ``next_item`` (int64 ``[M]``,
+# -1 ends a list): the list of the kept bin it is in (first item ``bin_head[b]``; ``bin_of[i]`` is
+# that bin) or, for a loose item (``bin_of[i] == -1``), the pool stack of its size (top item
+# ``pool_head[s]``, ``pool_count[s]`` items). ``has_size`` is a presence tree over the sizes with a
+# pool item; the helpers below read its leaf count from its length. The steps run for every bin or
+# every probe are compiled into their caller (``inline="always"``): a numba call increments and
+# decrements the reference count of each array argument, which costs more than these steps do.
+
+
+@njit(cache=True, inline="always")
+def _largest_in_pool(has_size: np.ndarray, limit: int) -> int:
+    """The largest size ``<= limit`` with an item in the pool, or -1."""
+    return _last_present_at_or_below(has_size, has_size.shape[0] // 2, limit)
+
+
 @njit(cache=True)
-def _pool_push(pool_head: np.ndarray, pool_count: np.ndarray, next_item: np.ndarray, has_size: np.ndarray,
-               leaves: int, sizes: np.ndarray, item: int) -> None:
+def _pool_push(pool_head: np.ndarray, pool_count: np.ndarray, has_size: np.ndarray, next_item: np.ndarray,
+               sizes: np.ndarray, item: int) -> None:
     """Put ``item`` on the pool stack of its size."""
     size = sizes[item]
     if pool_count[size] == 0:
-        _set_presence(has_size, leaves, size, True)
+        _set_presence(has_size, has_size.shape[0] // 2, size, True)
     next_item[item] = pool_head[size]
     pool_head[size] = item
     pool_count[size] += 1
 
 
 @njit(cache=True)
-def _pool_pop(pool_head: np.ndarray, pool_count: np.ndarray, next_item: np.ndarray, has_size: np.ndarray,
-              leaves: int, size: int) -> int:
+def _pool_pop(pool_head: np.ndarray, pool_count: np.ndarray, has_size: np.ndarray, next_item: np.ndarray,
+              size: int) -> int:
     """Take an item of ``size`` (present) off the pool."""
     item = pool_head[size]
     pool_head[size] = next_item[item]
     pool_count[size] -= 1
     if pool_count[size] == 0:
-        _set_presence(has_size, leaves, size, False)
+        _set_presence(has_size, has_size.shape[0] // 2, size, False)
     return item
 
 
-@njit(cache=True)
-def _pool_pair(pool_count: np.ndarray, has_size: np.ndarray, leaves: int, target: int, budget: int) -> int:
-    """The larger size ``a`` of two pool items ``a >= target - a`` summing to ``target``, or 0 after ``budget`` probes."""
-    a = _last_present_at_or_below(has_size, leaves, target - 1)
+@njit(cache=True, inline="always")
+def _pool_pair(pool_count: np.ndarray, has_size: np.ndarray, target: int, budget: int) -> int:
+    """The larger size ``a`` of two pool items ``a >= target - a`` that sum to ``target``; 0 after ``budget`` probes."""
+    a = _largest_in_pool(has_size, target - 1)
     for _ in range(budget):
         if a < 1 or 2 * a < target:
             break
         if pool_count[target - a] > (1 if 2 * a == target else 0):
             return a
-        a = _last_present_at_or_below(has_size, leaves, a - 1)
+        a = _largest_in_pool(has_size, a - 1)
     return 0
+
+
+@njit(cache=True)
+def _dissolved_bins(num_bins: int, num_pool: int, offset: int) -> np.ndarray:
+    """bool ``[B]``: the ``num_pool`` bins a round dissolves, spread evenly over the opening order.
+
+    Bin ``b`` is dissolved when ``(num_bins - 1 - b + offset) * num_pool % num_bins < num_pool``, so
+    rounds with another ``offset`` dissolve other bins.
+    """
+    dissolved = np.zeros(num_bins, np.bool_)
+    for b in range(num_bins):
+        dissolved[b] = (num_bins - 1 - b + offset) * num_pool % num_bins < num_pool
+    return dissolved
+
+
+@njit(cache=True)
+def _bin_loads(sizes: np.ndarray, bins: np.ndarray, num_bins: int) -> np.ndarray:
+    """int64 ``[B]``, tokens in each bin."""
+    load = np.zeros(num_bins, np.int64)
+    for i in range(sizes.shape[0]):
+        load[bins[i]] += sizes[i]
+    return load
+
+
+@njit(cache=True)
+def _split_items(sizes: np.ndarray, bins: np.ndarray, dissolved: np.ndarray,
+                 capacity: int) -> tuple[np.ndarray, ...]:
+    """The items of dissolved bins go to the pool, the others onto the list of their bin, each list in item order.
+
+    Returns ``(pool_head, pool_count, has_size, bin_head, bin_of, next_item)``, the round's lists.
+    """
+    num_items = sizes.shape[0]
+    has_size = np.zeros(2 * _tree_leaves(capacity + 1), np.bool_)
+    pool_head = np.full(capacity + 1, -1, np.int64)
+    pool_count = np.zeros(capacity + 1, np.int64)
+    bin_head = np.full(dissolved.shape[0], -1, np.int64)
+    next_item = np.full(num_items, -1, np.int64)
+    bin_of = bins.copy()
+    for i in range(num_items - 1, -1, -1):
+        b = bins[i]
+        if dissolved[b]:
+            bin_of[i] = -1
+            _pool_push(pool_head, pool_count, has_size, next_item, sizes, i)
+        else:
+            next_item[i] = bin_head[b]
+            bin_head[b] = i
+    return pool_head, pool_count, has_size, bin_head, bin_of, next_item
+
+
+@njit(cache=True, inline="always")
+def _best_single_move(sizes: np.ndarray, has_size: np.ndarray, bin_head: np.ndarray, next_item: np.ndarray, b: int,
+                      free: int, capacity: int) -> tuple[int, int, int]:
+    """The move of one pool item into bin ``b`` that fills most of its ``free`` tokens.
+
+    Either add the largest pool item ``<= free``, or swap one of the bin's items ``y`` for the
+    largest pool item ``<= y + free``; adding wins a tie, then the swap of the earliest item.
+    Returns ``(gain, out, out_prev)``: tokens gained, the item swapped out (-1 when adding) and the
+    one before it in the bin's list (-1 when it is first).
+    """
+    gain = max(_largest_in_pool(has_size, free), 0)
+    out, out_prev = -1, -1
+    prev, i = -1, bin_head[b]
+    while i >= 0 and gain < free:
+        size = sizes[i]
+        x = _largest_in_pool(has_size, min(size + free, capacity))
+        if x - size > gain:
+            gain, out, out_prev = x - size, i, prev
+        prev, i = i, next_item[i]
+    return gain, out, out_prev
+
+
+@njit(cache=True, inline="always")
+def _pair_swap(sizes: np.ndarray, pool_count: np.ndarray, has_size: np.ndarray, bin_head: np.ndarray,
+               next_item: np.ndarray, b: int, free: int, capacity: int) -> tuple[int, int, int]:
+    """The first item ``y`` of bin ``b`` that two pool items summing to ``y + free`` can replace.
+
+    Returns ``(out, out_prev, pair)``: the item ``y``, the one before it in the bin's list (-1 when
+    it is first) and the larger size of the two pool items (:func:`_pool_pair`); ``(-1, -1, 0)``
+    when no item of the bin has such a pair.
+    """
+    prev, i = -1, bin_head[b]
+    while i >= 0:
+        if sizes[i] + free <= capacity:
+            pair = _pool_pair(pool_count, has_size, sizes[i] + free, _PAIR_PROBES)
+            if pair > 0:
+                return i, prev, pair
+        prev, i = i, next_item[i]
+    return -1, -1, 0
+
+
+@njit(cache=True)
+def _add_to_bin(bin_head: np.ndarray, bin_of: np.ndarray, next_item: np.ndarray, b: int, item: int) -> None:
+    """Put ``item`` first in the list of bin ``b``."""
+    next_item[item] = bin_head[b]
+    bin_head[b] = item
+    bin_of[item] = b
+
+
+@njit(cache=True)
+def _replace_in_bin(bin_head: np.ndarray, bin_of: np.ndarray, next_item: np.ndarray, b: int, old: int,
+                    old_prev: int, item: int) -> None:
+    """Put ``item`` where ``old`` is in the list of bin ``b`` (``old_prev``: the item before ``old``, or -1)."""
+    next_item[item] = next_item[old]
+    if old_prev < 0:
+        bin_head[b] = item
+    else:
+        next_item[old_prev] = item
+    bin_of[item] = b
+
+
+@njit(cache=True)
+def _sweep(sizes: np.ndarray, pool_head: np.ndarray, pool_count: np.ndarray, has_size: np.ndarray,
+           bin_head: np.ndarray, bin_of: np.ndarray, next_item: np.ndarray, load: np.ndarray, dissolved: np.ndarray,
+           capacity: int, use_pairs: bool) -> bool:
+    """Fill each kept bin in turn from the pool, one best move at a time, until it is full or no move gains.
+
+    A move is :func:`_best_single_move`, or (``use_pairs``, when that one leaves the bin short)
+    :func:`_pair_swap`, which fills it exactly: the pool items it names take the place of the item
+    swapped out (or join the bin), and that item joins the pool. Updates ``load``; returns whether
+    any bin changed.
+    """
+    moved = False
+    for b in range(dissolved.shape[0]):
+        if dissolved[b]:
+            continue
+        free = capacity - load[b]
+        while free > 0:
+            gain, out, out_prev = _best_single_move(sizes, has_size, bin_head, next_item, b, free, capacity)
+            pair = 0
+            if gain < free and use_pairs:
+                pair_out, pair_out_prev, pair = _pair_swap(sizes, pool_count, has_size, bin_head, next_item, b, free,
+                                                           capacity)
+                if pair > 0:
+                    gain, out, out_prev = free, pair_out, pair_out_prev
+            if gain <= 0:
+                break
+            if out < 0:
+                item = _pool_pop(pool_head, pool_count, has_size, next_item, gain)
+                _add_to_bin(bin_head, bin_of, next_item, b, item)
+            else:
+                target = sizes[out] + gain
+                item = _pool_pop(pool_head, pool_count, has_size, next_item, target if pair == 0 else pair)
+                _replace_in_bin(bin_head, bin_of, next_item, b, out, out_prev, item)
+                if pair > 0:
+                    item = _pool_pop(pool_head, pool_count, has_size, next_item, target - pair)
+                    _add_to_bin(bin_head, bin_of, next_item, b, item)
+                bin_of[out] = -1
+                _pool_push(pool_head, pool_count, has_size, next_item, sizes, out)
+            free -= gain
+            load[b] += gain
+            moved = True
+    return moved
+
+
+@njit(cache=True)
+def _pool_largest_first(pool_head: np.ndarray, pool_count: np.ndarray, next_item: np.ndarray) -> np.ndarray:
+    """int64 ``[L]``: the items left in the pool, largest size first, each size's stack top first."""
+    left = np.empty(pool_count.sum(), np.int64)
+    k = 0
+    for size in range(pool_head.shape[0] - 1, 0, -1):
+        i = pool_head[size]
+        while i >= 0:
+            left[k] = i
+            k += 1
+            i = next_item[i]
+    return left
+
+
+@njit(cache=True)
+def _merge_bins(bin_of: np.ndarray, dissolved: np.ndarray, left: np.ndarray, new_bins: np.ndarray,
+                num_new: int) -> tuple[np.ndarray, int]:
+    """``bin_of`` completed: the kept bins renumbered in their order, then ``new_bins`` of the ``left`` items."""
+    renumber = np.empty(dissolved.shape[0], np.int64)
+    num_kept = 0
+    for b in range(dissolved.shape[0]):
+        renumber[b] = num_kept
+        num_kept += not dissolved[b]
+    for i in range(bin_of.shape[0]):
+        if bin_of[i] >= 0:
+            bin_of[i] = renumber[bin_of[i]]
+    for k in range(left.shape[0]):
+        bin_of[left[k]] = num_kept + new_bins[k]
+    return bin_of, num_kept + num_new
 
 
 @njit(cache=True)
@@ -208,114 +406,24 @@ def _refill_round(sizes: np.ndarray, bins: np.ndarray, num_bins: int, capacity: 
                   offset: int, use_pairs: bool) -> tuple[np.ndarray, int]:
     """One round of the gap-closing pass; see :func:`_close_gaps`.
 
-    Dissolves ``num_pool`` bins spread evenly over the opening order (bin ``b`` when
-    ``(num_bins - 1 - b + offset) * num_pool % num_bins < num_pool``, so rounds with another
-    ``offset`` take other bins) into a pool of loose items. Then, up to
-    :data:`_REFILL_SWEEPS` times over the other bins, each bin with free space ``r`` takes the move
-    that fills most of ``r``: add the largest pool item ``<= r``, or swap one of its items ``y`` for
-    the largest pool item ``<= y + r`` (``y`` joins the pool), or (``use_pairs``, only when neither
-    fills ``r`` exactly) swap ``y`` for two pool items summing to ``y + r``. What is left in the
-    pool is packed best-fit decreasing into new bins. Returns the new ``bins`` (kept bins in their
-    order, then the new ones) and their count.
+    Dissolves ``num_pool`` bins (:func:`_dissolved_bins`, which depend on ``offset``) into a pool of
+    loose items. Then, up to :data:`_REFILL_SWEEPS` times over the other bins, each bin with free
+    space ``r`` takes the move that fills most of ``r``: add the largest pool item ``<= r``, or swap
+    one of its items ``y`` for the largest pool item ``<= y + r`` (``y`` joins the pool), or
+    (``use_pairs``, first sweep only, when neither fills ``r`` exactly) swap ``y`` for two pool
+    items summing to ``y + r``. What is left in the pool is packed best-fit decreasing into new
+    bins. Returns the new ``bins`` (kept bins in their order, then the new ones) and their count.
     """
-    num_items = sizes.shape[0]
-    load = np.zeros(num_bins, np.int64)
-    for i in range(num_items):
-        load[bins[i]] += sizes[i]
-    in_pool = np.zeros(num_bins, np.bool_)
-    for b in range(num_bins):
-        in_pool[b] = (num_bins - 1 - b + offset) * num_pool % num_bins < num_pool
-    leaves = _tree_leaves(capacity + 1)
-    has_size = np.zeros(2 * leaves, np.bool_)
-    pool_head = np.full(capacity + 1, -1, np.int64)
-    pool_count = np.zeros(capacity + 1, np.int64)
-    head = np.full(num_bins, -1, np.int64)
-    next_item = np.full(num_items, -1, np.int64)
-    bin_of = bins.copy()
-    for i in range(num_items - 1, -1, -1):
-        b = bin_of[i]
-        if in_pool[b]:
-            bin_of[i] = -1
-            _pool_push(pool_head, pool_count, next_item, has_size, leaves, sizes, i)
-        else:
-            next_item[i] = head[b]
-            head[b] = i
-
+    load = _bin_loads(sizes, bins, num_bins)
+    dissolved = _dissolved_bins(num_bins, num_pool, offset)
+    pool_head, pool_count, has_size, bin_head, bin_of, next_item = _split_items(sizes, bins, dissolved, capacity)
     for sweep in range(_REFILL_SWEEPS):
-        moved = False
-        for b in range(num_bins):
-            if in_pool[b]:
-                continue
-            free = capacity - load[b]
-            while free > 0:
-                gain = max(_last_present_at_or_below(has_size, leaves, free), 0)
-                out, out_prev, pair = -1, -1, 0
-                prev, i = -1, head[b]
-                while i >= 0 and gain < free:
-                    size = sizes[i]
-                    x = _last_present_at_or_below(has_size, leaves, min(size + free, capacity))
-                    if x - size > gain:
-                        gain, out, out_prev = x - size, i, prev
-                    prev, i = i, next_item[i]
-                if gain < free and use_pairs and sweep == 0:
-                    prev, i = -1, head[b]
-                    while i >= 0:
-                        if sizes[i] + free <= capacity:
-                            pair = _pool_pair(pool_count, has_size, leaves, sizes[i] + free, _PAIR_PROBES)
-                            if pair > 0:
-                                gain, out, out_prev = free, i, prev
-                                break
-                        prev, i = i, next_item[i]
-                if gain <= 0:
-                    break
-                if out < 0:
-                    x = _pool_pop(pool_head, pool_count, next_item, has_size, leaves, gain)
-                    next_item[x] = head[b]
-                    head[b] = x
-                    bin_of[x] = b
-                else:
-                    target = sizes[out] + gain
-                    x = _pool_pop(pool_head, pool_count, next_item, has_size, leaves, target if pair == 0 else pair)
-                    next_item[x] = next_item[out]
-                    if out_prev < 0:
-                        head[b] = x
-                    else:
-                        next_item[out_prev] = x
-                    bin_of[x] = b
-                    if pair > 0:
-                        x = _pool_pop(pool_head, pool_count, next_item, has_size, leaves, target - pair)
-                        next_item[x] = head[b]
-                        head[b] = x
-                        bin_of[x] = b
-                    bin_of[out] = -1
-                    _pool_push(pool_head, pool_count, next_item, has_size, leaves, sizes, out)
-                free -= gain
-                load[b] += gain
-                moved = True
-        if not moved:
+        if not _sweep(sizes, pool_head, pool_count, has_size, bin_head, bin_of, next_item, load, dissolved, capacity,
+                      use_pairs and sweep == 0):
             break
-
-    num_left = pool_count.sum()
-    left = np.empty(num_left, np.int64)
-    k = 0
-    for size in range(capacity, 0, -1):
-        i = pool_head[size]
-        while i >= 0:
-            left[k] = i
-            k += 1
-            i = next_item[i]
+    left = _pool_largest_first(pool_head, pool_count, next_item)
     new_bins, num_new = _best_fit(sizes[left], capacity)
-    renumber = np.empty(num_bins, np.int64)
-    num_kept = 0
-    for b in range(num_bins):
-        renumber[b] = num_kept
-        num_kept += not in_pool[b]
-    for i in range(num_items):
-        if bin_of[i] >= 0:
-            bin_of[i] = renumber[bin_of[i]]
-    for k in range(num_left):
-        bin_of[left[k]] = num_kept + new_bins[k]
-    return bin_of, num_kept + num_new
+    return _merge_bins(bin_of, dissolved, left, new_bins, num_new)
 
 
 @njit(cache=True)

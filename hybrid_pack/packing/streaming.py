@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES, plan_packs
 from hybrid_pack.packing.slicing import slice_example
+from hybrid_pack.schema import INPUT_IDS
 
 __all__ = ["PackStream", "StreamReport", "pack_stream"]
 
@@ -91,7 +93,7 @@ class PackStream(IterableDataset):
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         worker = get_worker_info()
         if worker is not None and worker.num_workers > 1:
-            raise ValueError(f"num_workers: a PackStream reads its source once per worker, so {worker.num_workers} "
+            raise InputError(f"num_workers: a PackStream reads its source once per worker, so {worker.num_workers} "
                              f"workers would repeat every example; use num_workers <= 1 or shard the source first")
         report = self.report = StreamReport(self.capacity)
         buffer: list[Example] = []
@@ -115,10 +117,10 @@ class PackStream(IterableDataset):
     def _length(self, position: int, example: Example) -> int:
         if not isinstance(example, Mapping) or self.length_key not in example:
             got = f"keys {sorted(example)}" if isinstance(example, Mapping) else type(example).__name__
-            raise ValueError(f"source[{position}]: expected a dict with a {self.length_key!r} sequence; got {got}")
+            raise InputError(f"source[{position}]: expected a dict with a {self.length_key!r} sequence; got {got}")
         length = len(example[self.length_key])
         if length == 0:
-            raise ValueError(f"source[{position}].{self.length_key}: expected at least one token; got an empty "
+            raise InputError(f"source[{position}].{self.length_key}: expected at least one token; got an empty "
                              f"sequence (filter empty examples out of the stream)")
         return length
 
@@ -129,7 +131,7 @@ class PackStream(IterableDataset):
             yield example, length
             return
         if self.overflow == "error":
-            raise ValueError(f"source[{position}]: example has {length} tokens, more than capacity={capacity}; "
+            raise InputError(f"source[{position}]: example has {length} tokens, more than capacity={capacity}; "
                              f"pass overflow='truncate', 'split' or 'drop', or raise capacity")
         if self.overflow == "drop":
             report.num_dropped += 1
@@ -181,7 +183,7 @@ def pack_stream(
     buffer_size: int = 10_000,
     strategy: str = "bfd",
     overflow: str = "truncate",
-    length_key: str = "input_ids",
+    length_key: str = INPUT_IDS,
 ) -> PackStream:
     """Pack a stream of tokenized examples into packs of at most ``capacity`` tokens.
 
@@ -201,14 +203,14 @@ def pack_stream(
         pack); ``stream.report`` holds the running :class:`StreamReport`.
     """
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity: expected an int >= 1; got {capacity!r}")
+        raise InputError(f"capacity: expected an int >= 1; got {capacity!r}")
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) or buffer_size < 1:
-        raise ValueError(f"buffer_size: expected an int >= 1; got {buffer_size!r}")
+        raise InputError(f"buffer_size: expected an int >= 1; got {buffer_size!r}")
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: expected one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}")
+        raise InputError(f"strategy: expected one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}")
     if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
+        raise InputError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
     if not isinstance(source, Iterable):
-        raise ValueError(f"source: expected an iterable of example dicts; got {type(source).__name__}")
+        raise InputError(f"source: expected an iterable of example dicts; got {type(source).__name__}")
     return PackStream(source, int(capacity), buffer_size=int(buffer_size), strategy=strategy, overflow=overflow,
                       length_key=length_key)

@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from hybrid_pack import PackingCollator
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing import PackedBatchSampler
 from hybrid_pack.packing.balance import TokenCost, assign_packs
 from hybrid_pack.packing.slicing import SlicedDataset
 
-LENGTHS_DIR = Path(__file__).resolve().parents[1] / "hybrid_pack" / "data" / "assets" / "lengths"
+LENGTHS_DIR = Path(__file__).resolve().parents[2] / "hybrid_pack" / "data" / "assets" / "lengths"
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -133,7 +134,7 @@ def test_steps_of_all_ranks_interleaved_match_each_rank():
 
 
 def test_interleaved_sampler_under_accelerate_batch_sampler_shard():
-    """accelerate's BatchSamplerShard (what Trainer / accelerator.prepare wrap a batch sampler in) gives rank r its steps."""
+    """accelerate's BatchSamplerShard (what Trainer / accelerator.prepare wrap a sampler in) gives rank r its steps."""
     accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
     lengths = np.random.default_rng(2).integers(1, 300, 500)
     per_rank = _all_ranks(lengths, 512, 4)
@@ -211,9 +212,9 @@ def test_state_dict_rejects_a_different_setup():
     sampler = PackedBatchSampler([5] * 40, 20, num_replicas=2, rank=0)
     state = sampler.state_dict()
     other = PackedBatchSampler([5] * 40, 20, num_replicas=4, rank=0)
-    with pytest.raises(ValueError, match="num_replicas"):
+    with pytest.raises(InputError, match="num_replicas"):
         other.load_state_dict(state)
-    with pytest.raises(ValueError, match="step"):
+    with pytest.raises(InputError, match="step"):
         sampler.load_state_dict({**state, "step": len(sampler) + 1})
 
 
@@ -226,14 +227,15 @@ def test_set_epoch_discards_a_resume_meant_for_another_epoch():
     assert list(sampler) == list(fresh)
 
 
-@pytest.mark.parametrize("kwargs,field", [({"num_replicas": 0}, "num_replicas"), ({"rank": 2, "num_replicas": 2}, "rank"),
+@pytest.mark.parametrize("kwargs,field", [({"num_replicas": 0}, "num_replicas"),
+                                          ({"rank": 2, "num_replicas": 2}, "rank"),
                                           ({"packs_per_step": 0}, "packs_per_step"), ({"seed": -1}, "seed"),
                                           ({"strategy": "best"}, "strategy"), ({"overflow": "wrap"}, "overflow")])
 def test_bad_arguments_raise(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InputError, match=field):
         PackedBatchSampler([3, 4, 5], 8, **kwargs)
 
 
 def test_all_dropped_raises():
-    with pytest.raises(ValueError, match="no example to pack"):
+    with pytest.raises(InputError, match="no example to pack"):
         PackedBatchSampler([30, 40], 8, overflow="drop")

@@ -7,6 +7,7 @@ import pytest
 
 from hybrid_pack import PackPlan, plan_packs
 from hybrid_pack.data import LENGTH_TABLES, load_lengths
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES
 from hybrid_pack.packing.report import packing_report
 from hybrid_pack.packing.strategies import _best_fit, _first_fit
@@ -203,12 +204,12 @@ def test_empty_lengths_give_an_empty_plan():
 
 @pytest.mark.parametrize("bad, index, value", [([3, 0, 2], 1, 0), ([3, 2, -4, 0], 2, -4)])
 def test_non_positive_length_names_the_example(bad, index, value):
-    with pytest.raises(ValueError, match=rf"lengths\[{index}\]: expected a token count >= 1; got {value}.*remove"):
+    with pytest.raises(InputError, match=rf"lengths\[{index}\]: expected a token count >= 1; got {value}.*remove"):
         plan_packs(bad, 8)
 
 
 def test_too_long_example_names_the_example_and_the_fix():
-    with pytest.raises(ValueError, match=r"lengths\[2\]: example 2 has 9 tokens, more than capacity=8.*overflow="):
+    with pytest.raises(InputError, match=r"lengths\[2\]: example 2 has 9 tokens, more than capacity=8.*overflow="):
         plan_packs([1, 8, 9, 12], 8)
 
 
@@ -221,30 +222,30 @@ def test_too_long_example_names_the_example_and_the_fix():
     ([[1, 2], [3]], r"lengths: expected a 1-D sequence of ints"),
 ])
 def test_malformed_lengths(bad, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         plan_packs(bad, 8)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 4.0, True, "4096", None])
 def test_malformed_capacity(bad):
-    with pytest.raises(ValueError, match=r"capacity: expected an int >= 1"):
+    with pytest.raises(InputError, match=r"capacity: expected an int >= 1"):
         plan_packs([1, 2], bad)
 
 
 def test_unknown_strategy_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"strategy: expected one of 'bfd', 'ffd', 'first_fit', 'next_fit', "
+    with pytest.raises(InputError, match=r"strategy: expected one of 'bfd', 'ffd', 'first_fit', 'next_fit', "
                                          r"'knapsack'; got 'best_fit'"):
         plan_packs([1, 2], 8, strategy="best_fit")
 
 
 def test_unknown_overflow_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"overflow: expected one of 'error', 'truncate', 'split', 'drop'; got 'wrap'"):
+    with pytest.raises(InputError, match=r"overflow: expected one of 'error', 'truncate', 'split', 'drop'; got 'wrap'"):
         plan_packs([1, 2], 8, overflow="wrap")
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "0", True])
 def test_malformed_seed(bad):
-    with pytest.raises(ValueError, match=r"seed: expected an int >= 0"):
+    with pytest.raises(InputError, match=r"seed: expected an int >= 0"):
         plan_packs([1, 2], 8, seed=bad)
 
 
@@ -336,5 +337,5 @@ def test_report_of_split_plan_counts_pieces():
 
 @pytest.mark.parametrize("bad", [0, 2.0, True])
 def test_report_rejects_bad_batch_size(bad):
-    with pytest.raises(ValueError, match="batch_size: expected an int >= 1"):
+    with pytest.raises(InputError, match="batch_size: expected an int >= 1"):
         packing_report(plan_packs([1, 2], 4), batch_size=bad)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from hybrid_pack import PackingCollator, plan_packs
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing import pack_stream
 
 
@@ -43,7 +44,9 @@ class CountingSource:
        strategy=st.sampled_from(["bfd", "ffd", "first_fit", "next_fit", "knapsack"]))
 def test_bounded_buffer_and_every_kept_token_once(lengths, buffer_size, capacity, overflow, strategy):
     def kept_length(n):
-        return n if overflow == "split" else (min(n, capacity) if overflow == "truncate" else (n if n <= capacity else 0))
+        if overflow in ("split", "truncate"):
+            return n if overflow == "split" else min(n, capacity)
+        return n if n <= capacity else 0
 
     emitted = Counter()
     source = CountingSource(_examples(lengths), emitted, kept_length)
@@ -125,17 +128,17 @@ def test_full_length_examples_pass_straight_through():
 
 
 def test_errors_name_the_field():
-    with pytest.raises(ValueError, match="buffer_size"):
+    with pytest.raises(InputError, match="buffer_size"):
         pack_stream([], 64, buffer_size=0)
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(InputError, match="capacity"):
         pack_stream([], 0)
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(InputError, match="strategy"):
         pack_stream([], 64, strategy="best")
-    with pytest.raises(ValueError, match="overflow"):
+    with pytest.raises(InputError, match="overflow"):
         pack_stream([], 64, overflow="wrap")
-    with pytest.raises(ValueError, match=r"source\[1\]"):
+    with pytest.raises(InputError, match=r"source\[1\]"):
         list(pack_stream([{"input_ids": [1]}, {"text": "no ids"}], 64))
-    with pytest.raises(ValueError, match=r"source\[0\].*capacity"):
+    with pytest.raises(InputError, match=r"source\[0\].*capacity"):
         list(pack_stream([{"input_ids": [1] * 100}], 64, overflow="error"))
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(InputError, match="at least one token"):
         list(pack_stream([{"input_ids": []}], 64))

@@ -9,6 +9,7 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
 from hybrid_pack import plan_packs
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.hf_datasets import tokenize_and_plan
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps"]
@@ -48,7 +49,7 @@ def test_lengths_columns_and_plan(tmp_path, tokenizer):
 
 def test_errors_name_the_column(tmp_path):
     dataset = datasets.Dataset.from_dict({"text": ["alpha", ""]})
-    with pytest.raises(ValueError, match="text_column"):
+    with pytest.raises(InputError, match="text_column"):
         tokenize_and_plan(dataset, CallableTokenizer(), 8, text_column="body")
-    with pytest.raises(ValueError, match=r"text\[1\]"):
+    with pytest.raises(InputError, match=r"text\[1\]"):
         tokenize_and_plan(dataset, CallableTokenizer(), 8, cache_file_name=str(tmp_path / "e.arrow"))

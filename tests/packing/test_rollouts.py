@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_pack import PackedBoundaries, pack_rollouts, packed_loss
+from hybrid_pack.errors import InputError
 
 
 def _rollouts(seed: int, num: int, *, per_token_advantages: bool = False):
@@ -91,9 +92,10 @@ def test_policy_gradient_skips_prompt_and_tool_tokens():
 def test_overflow_truncate_and_drop():
     prompts = [[1] * 10, [2] * 10, [3] * 5]
     responses = [[4] * 100, [5] * 5, [6] * 5]
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(InputError, match="capacity"):
         pack_rollouts(prompts, responses, 64)
-    truncated = pack_rollouts(prompts, responses, 64, overflow="truncate", old_logprobs=[[0.5] * len(r) for r in responses])
+    truncated = pack_rollouts(prompts, responses, 64, overflow="truncate",
+                              old_logprobs=[[0.5] * len(r) for r in responses])
     docs = [d for b in truncated for d in _documents(b)]
     long = next(d for d in docs if d["sample_index"][0] == 0)
     assert long["input_ids"] == [1] * 10 + [4] * 54 and long["old_logprobs"] == [0.0] * 10 + [0.5] * 54
@@ -121,5 +123,5 @@ def test_tensor_inputs_and_default_masks():
 ])
 def test_bad_inputs_name_the_field(kwargs, field):
     arguments = {"prompts": [[7], [8]], "responses": [[1], [2, 3]], "capacity": 16, **kwargs}
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InputError, match=field):
         pack_rollouts(**arguments)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_pack import PackPlan, plan_packs
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES, STRATEGIES
 from hybrid_pack.packing.strategies import _best_fit, _close_gaps, _first_fit
 
@@ -60,7 +61,7 @@ def test_every_kept_token_appears_exactly_once(lengths, capacity, strategy, over
     if overflow == "error" and too_long:
         try:
             plan_packs(lengths, capacity, strategy=strategy, overflow=overflow, seed=seed)
-        except ValueError as err:
+        except InputError as err:
             assert f"lengths[{too_long[0]}]" in str(err)
             return
         raise AssertionError("an example longer than capacity must raise with overflow='error'")
