@@ -32,6 +32,7 @@ from hybrid_pack.schema import (
     IGNORE_INDEX,
     INPUT_IDS,
     LABELS,
+    NUM_PAD_TOKENS,
     PackedBatch,
 )
 
@@ -136,12 +137,14 @@ class PackingCollator:
         else:
             labels = _concat(LABELS, *column, layout, self.separator_id, torch.int64)
         labels.numpy()[0, boundaries.cu_seqlens.numpy()[:len(lengths)]] = self.separator_id
-        batch: dict[str, Any] = {INPUT_IDS: input_ids, LABELS: labels, **boundaries.batch_kwargs()}
+        batch: dict[str, Any] = {INPUT_IDS: input_ids, LABELS: labels, **boundaries.hf_kwargs()}
         for key in self.extra_token_keys:
             column = _column(docs, key, layout)
             if column is not None:
                 values, kind = column
                 batch[key] = _concat(key, values, kind, layout, 0, _extra_dtype(key, values[0]))
+        if num_pad:
+            batch[NUM_PAD_TOKENS] = num_pad
         return batch  # type: ignore[return-value]
 
     def _num_pad_tokens(self, num_tokens: int) -> int:

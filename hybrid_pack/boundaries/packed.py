@@ -296,12 +296,12 @@ class PackedBoundaries:
     def hf_kwargs(self) -> dict[str, Any]:
         """The keyword arguments Hugging Face models take for a packed row."""
         return {
+            POSITION_IDS: self.position_ids,
+            SEQ_IDX: self.seq_idx,
             CU_SEQ_LENS_Q: self.cu_seqlens,
             CU_SEQ_LENS_K: self.cu_seqlens,
             MAX_LENGTH_Q: self.max_seqlen,
             MAX_LENGTH_K: self.max_seqlen,
-            SEQ_IDX: self.seq_idx,
-            POSITION_IDS: self.position_ids,
         }
 
     def batch_kwargs(self) -> dict[str, Any]:
