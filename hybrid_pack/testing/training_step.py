@@ -300,6 +300,13 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
         layout.leak_kind = "backward"
 
 
+def _logit_scale(logits: torch.Tensor) -> float:
+    """Logit differences are judged relative to the largest logit (at least 1), as :func:`check_isolation` does;
+    log-probabilities and losses, already on a log scale, are judged as they are."""
+    largest = _max_abs(logits.detach().float())
+    return max(1.0, largest) if largest != float("inf") else 1.0
+
+
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     return param.dtype if param is not None else torch.float32
@@ -347,8 +354,9 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
         per_layer: name the first leaking module on a leak.
         train: run in training mode (gradient checkpointing and other training-only paths active), with every
             dropout module off; each module's mode is restored afterwards.
-        atol: tolerance on per-token differences (or losses) relative to the largest value (default by dtype,
-            :data:`~hybrid_pack.testing.DEFAULT_ATOL`).
+        atol: tolerance on differences from the lone runs (default by dtype,
+            :data:`~hybrid_pack.testing.DEFAULT_ATOL`): absolute for log-probabilities and losses, relative to
+            the largest logit for logits.
         grad_atol: tolerance on cross-document gradients (default exactly zero).
         seed: seeds the random weighting of each document's values in the gradient check.
 
@@ -403,9 +411,7 @@ def _check(step: Step, batch: dict[str, Any], model: torch.nn.Module, name: str,
                              f"step; add {LABELS}, or return the model output so per-token values can be judged")
         layout.name = f"training step: per-token {packed.quantity}" if per_token else "training step: per-document loss"
         probe = _Probe(step, model, batch, per_token, t_len, torch.Generator().manual_seed(seed))
-        reference = packed.values if per_token else packed.loss
-        scale = max(1.0, _max_abs(reference.detach().float()))
-        scale = scale if scale != float("inf") else 1.0
+        scale = _logit_scale(packed.values) if per_token and packed.quantity == "logits" else 1.0
         try:
             for doc in docs:
                 _check_document(probe, doc, packed, scale, grads=grads)

@@ -21,8 +21,8 @@ from hybrid_pack.boundaries import PackedBoundaries  # noqa: E402
 from hybrid_pack.errors import BoundaryError  # noqa: E402
 from hybrid_pack.integrations.transformers import packed_row, patch_model  # noqa: E402
 from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model  # noqa: E402
-from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, POSITION_IDS, SEQ_IDX  # noqa: E402
-from hybrid_pack.testing import check_isolation, check_training_step  # noqa: E402
+from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX  # noqa: E402
+from hybrid_pack.testing import check_training_step  # noqa: E402
 
 FAMILIES = ["qwen3_next", "bamba", "jamba"]
 LENGTHS = [5, 19, 1, 7]          # a one-token document, one longer than the chunk size (16)
@@ -66,7 +66,7 @@ def test_decoder_layer_called_directly_keeps_documents_apart(family: str) -> Non
     layer = model.base_model.layers[0]
     batch = _batch()
     hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    keys = {key: value for key, value in batch.items() if key != INPUT_IDS and key != "labels"}
+    keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, LABELS)}
     x = hidden.clone().requires_grad_(True)
     packed = layer(x, **_layer_inputs(family, x), **keys)
     packed = packed[0] if isinstance(packed, tuple) else packed
@@ -134,7 +134,7 @@ def test_compiled_model_keeps_documents_apart_on_every_layout(family: str) -> No
     grads = []
     for model in (eager, compiled):
         embeds = eager.get_input_embeddings()(batch[INPUT_IDS]).detach().requires_grad_(True)
-        keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, "labels")}
+        keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, LABELS)}
         model(inputs_embeds=embeds, **keys).logits[0, :7].sum().backward()
         grads.append(embeds.grad)
     assert grads[1][0, 7:].abs().max() == 0
