@@ -8,8 +8,9 @@ checkpointed models add their own layers of calls. :func:`check_training_step` r
 alone, and compares, per document:
 
 * forward: the per-token values the step's model returns (``log_probs`` of a fused head, else
-  ``logits``) against the document's lone run; for a step whose model output cannot be seen, its loss
-  with every other document's labels masked against its loss alone;
+  ``logits``; or the step's own per-token result) against the document's lone run; for a step whose
+  per-token values cannot be seen, its loss with every other document's labels masked against its
+  loss alone;
 * gradient: the same per-document objective must have exactly zero gradient on every other
   document's input embeddings.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +106,7 @@ class _Run:
 
     loss: torch.Tensor | None = None
     values: torch.Tensor | None = None   # per-token output [1, T or T - 1, ...] of the model's first call
-    quantity: str | None = None          # which output ``values`` is: "log_probs" or "logits"
+    quantity: str | None = None          # what ``values`` is: "log_probs", "logits" or "values"
     embeds: torch.Tensor | None = None   # input embeddings [1, T, E] as a leaf that takes gradient
 
 
@@ -117,12 +119,15 @@ def _loss_of(result: Any) -> torch.Tensor | None:
 
 
 def _per_token_output(output: Any) -> tuple[str, torch.Tensor] | None:
-    """The per-token tensor of a model output: ``log_probs`` (a fused LM head), else ``logits``."""
+    """The per-token tensor of an output and what it is: ``log_probs`` (a fused LM head), else ``logits``; a bare
+    tensor is taken as ``logits`` ``[1, T, V]`` or as per-token ``values`` ``[1, T]`` (log-probs, losses)."""
     for name in _PER_TOKEN_OUTPUTS:
         value = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
         if isinstance(value, torch.Tensor):
             return name, value
-    return ("logits", output) if isinstance(output, torch.Tensor) and output.dim() == 3 else None
+    if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() in (2, 3):
+        return ("logits" if output.dim() == 3 else "values"), output
+    return None
 
 
 def _run(step: Step, batch: dict[str, Any], model: torch.nn.Module, *, grad: bool) -> _Run:
@@ -189,7 +194,8 @@ def _parameter_grads_kept(model: torch.nn.Module) -> Iterator[None]:
 def _document_batch(batch: Mapping[str, Any], start: int, length: int, t_len: int) -> dict[str, Any]:
     """One document of a packed batch as a batch of its own: every per-token ``[1, T, ...]`` tensor sliced,
     the boundary keys the batch has rebuilt for a single document, no padding."""
-    alone = PackedBoundaries.from_lengths([length], device=batch[INPUT_IDS].device).hf_kwargs()
+    tokens = batch.get(INPUT_IDS, batch.get(INPUTS_EMBEDS))
+    alone = PackedBoundaries.from_lengths([length], device=tokens.device).hf_kwargs()
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key == NUM_PAD_TOKENS:
@@ -293,7 +299,9 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
     leaking = [d for d in docs if (d.result.gradient_leak or 0.0) > grad_atol]
     if leaking:
         doc = max(leaking, key=lambda d: d.result.gradient_leak)
-        with _parameter_grads_kept(probe.model):
+        with _parameter_grads_kept(probe.model), warnings.catch_warnings():
+            # the embedding module's inputs are token ids: its full backward hook only sees its output
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             layout.first_leaking_module = _first_backward_leak(
                 probe.model, lambda: probe.objective(probe.run(doc, grad=True), doc),
                 probe.others(doc, next(probe.model.parameters()).device), probe.t_len)
@@ -349,7 +357,7 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
             top-level output is read for per-token values; its input embeddings take the gradient.
         per_token: judge per-token outputs (True) or per-document losses, every other document's labels masked
             (False: batch-level loss terms such as a router's load-balancing loss count too). Default: per-token
-            when the model's output has ``log_probs`` or ``logits``.
+            when the model's output (or the step's result) has per-token values.
         grads: run the gradient check (needs the step to call ``model.get_input_embeddings()``).
         per_layer: name the first leaking module on a leak.
         train: run in training mode (gradient checkpointing and other training-only paths active), with every
@@ -369,11 +377,12 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
             per-token model output nor ``labels`` to judge documents by.
 
     The step runs ``1 + 2N`` times for ``N`` documents (``1 + 3N`` when only losses can be judged). A trainer's
-    plain-data attributes (TRL's token counter and metric lists) are put back afterwards, so the check leaves
-    no trace in its logs.
+    plain-data attributes (TRL's token counter and metric lists) and torch's random state are put back
+    afterwards, so the check leaves no trace in its logs or in its data order.
     """
     kept = _bookkeeping_kept(step) if is_trainer(step) else contextlib.nullcontext()
-    with kept:
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with kept, torch.random.fork_rng(devices=cuda):      # drawing the first batch may consume random numbers
         return _check(*_as_step(step, batch, model), per_token=per_token, grads=grads, per_layer=per_layer,
                       train=train, atol=atol, grad_atol=grad_atol, seed=seed)
 

@@ -86,13 +86,14 @@ def test_mixer_reached_past_every_entry_refuses_packed_keys(family: str) -> None
     mixer = getattr(model.base_model.layers[0], MIXERS[family])
     batch = _batch()
     hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size)
-    with pytest.raises(BoundaryError, match=rf"{type(mixer).__name__}: received {CU_SEQ_LENS_Q}.*{SEQ_IDX}.*packed_row"):
+    refusal = rf"{type(mixer).__name__}: received {CU_SEQ_LENS_Q}.*{SEQ_IDX}.*packed_row"
+    with pytest.raises(BoundaryError, match=refusal):
         mixer(hidden, seq_idx=batch[SEQ_IDX], cu_seq_lens_q=batch[CU_SEQ_LENS_Q])
     with packed_row(PackedBoundaries.from_batch(batch)):     # the fix the error names
         packed = mixer(hidden)
-    first = LENGTHS[0] + LENGTHS[1]
+    second = slice(LENGTHS[0], LENGTHS[0] + LENGTHS[1])
     with pure_torch_transformers(model):
-        torch.testing.assert_close(packed[:, LENGTHS[0]:first], mixer(hidden[:, LENGTHS[0]:first]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[:, second], mixer(hidden[:, second]), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_reached_past_every_entry_refuses_packed_keys() -> None:
@@ -116,7 +117,7 @@ def test_patch_holds_with_lora_and_gradient_checkpointing_on_the_backbone(family
     report = check_training_step(lambda b: model.lm_head(backbone(**b).last_hidden_state), _batch(), model=lora)
     assert report.ok and report.error is None, str(report)
     assert all(d.gradient_leak == 0.0 for d in report.documents)
-    assert any(module.gradient_checkpointing for module in model.modules() if hasattr(module, "_gradient_checkpointing_func"))
+    assert model.is_gradient_checkpointing
 
 
 @pytest.mark.slow

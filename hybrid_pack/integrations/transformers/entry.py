@@ -74,20 +74,21 @@ def _only_restarting_positions(arguments: dict[str, Any]) -> bool:
             and all(arguments.get(key) is None for key in CACHE_KEYS) and _restarts(arguments.get(POSITION_IDS)))
 
 
-def packed_call_boundaries(arguments: dict[str, Any]) -> PackedBoundaries | None:
+def packed_call_boundaries(arguments: dict[str, Any], *, by_positions: bool = True) -> PackedBoundaries | None:
     """The boundaries of a packed call, or None for a call to pass through unchanged.
 
     ``arguments`` are the call's named arguments (positional ones bound to their names). A call is packed
-    when it carries an explicit boundary key or ``boundaries=``, or, outside a packed call, a ``[1, T]``
-    ``position_ids`` that restarts at 0 with no ``attention_mask`` and no cache. Nested calls inside a
-    packed call carry neither (the entry that set the boundaries removed the keys) and pass through.
+    when it carries an explicit boundary key or ``boundaries=``, or (with ``by_positions``, outside a packed
+    call) a ``[1, T]`` ``position_ids`` that restarts at 0 with no ``attention_mask`` and no cache. Nested
+    calls inside a packed call carry neither (the entry that set the boundaries removed the keys) and pass
+    through.
 
     Raises:
         InputError: packed keys with a batch of several rows, an ``attention_mask``, a cache or ``use_cache``.
         BoundaryError: boundary keys that disagree with each other or with the tokens.
     """
     explicit = explicit_keys_in(arguments)
-    if not explicit and not _only_restarting_positions(arguments):
+    if not explicit and not (by_positions and _only_restarting_positions(arguments)):
         return None
     tokens = _tokens(arguments)
     if tokens is not None and tokens.shape[0] != 1:
@@ -129,18 +130,23 @@ def entry_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @dataclass(frozen=True)
 class _Signature:
-    """What an entry's forward takes: its positional parameter names, and which of the rewritten keywords."""
+    """What an entry's forward takes (its positional parameter names, and which of the rewritten keywords),
+    and whether restarting ``position_ids`` alone mark a packed call there (models: yes; decoder layers, which
+    receive a mask the backbone may have dropped, only on explicit keys)."""
 
     positional: tuple[str, ...]
     takes_position_ids: bool
     takes_use_cache: bool
+    by_positions: bool
 
     @classmethod
-    def of(cls, forward: Any) -> _Signature:
-        parameters = inspect.signature(forward).parameters
+    def of(cls, module: torch.nn.Module) -> _Signature:
+        from transformers import PreTrainedModel
+
+        parameters = inspect.signature(module.forward).parameters
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         return cls(tuple(name for name, p in parameters.items() if p.kind in kinds), POSITION_IDS in parameters,
-                   USE_CACHE in parameters)
+                   USE_CACHE in parameters, isinstance(module, PreTrainedModel))
 
 
 @torch.compiler.disable
@@ -153,7 +159,8 @@ def _packed_call(module: torch.nn.Module, signature: _Signature, args: tuple[Any
     below ``module`` is made to restore the boundaries in its backward recompute.
     """
     given_positionally = signature.positional[:len(args)]
-    boundaries = packed_call_boundaries({**dict(zip(given_positionally, args, strict=False)), **kwargs})
+    boundaries = packed_call_boundaries({**dict(zip(given_positionally, args, strict=False)), **kwargs},
+                                        by_positions=signature.by_positions)
     if boundaries is None:
         return None
     kwargs = {key: value for key, value in kwargs.items() if key not in (*BOUNDARY_KEYS, BOUNDARIES, ATTENTION_MASK)}
@@ -180,7 +187,7 @@ def wrap_entry(module: torch.nn.Module) -> None:
     if is_entry(module):
         return
     original = module.forward
-    signature = _Signature.of(original)
+    signature = _Signature.of(module)
 
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
