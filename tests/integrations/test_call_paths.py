@@ -22,7 +22,7 @@ from hybrid_pack.errors import BoundaryError  # noqa: E402
 from hybrid_pack.integrations.transformers import packed_row, patch_model  # noqa: E402
 from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model  # noqa: E402
 from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX  # noqa: E402
-from hybrid_pack.testing import check_training_step  # noqa: E402
+from hybrid_pack.testing import check_isolation, check_training_step  # noqa: E402
 
 FAMILIES = ["qwen3_next", "bamba", "jamba"]
 LENGTHS = [5, 19, 1, 7]          # a one-token document, one longer than the chunk size (16)
@@ -140,3 +140,22 @@ def test_compiled_model_keeps_documents_apart_on_every_layout(family: str) -> No
         grads.append(embeds.grad)
     assert grads[1][0, 7:].abs().max() == 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["bamba", "jamba"])
+def test_harness_on_a_packed_hugging_face_trainer(family: str, tmp_path) -> None:
+    """``PackedTrainer`` (a ``transformers.Trainer``) checked on its own first packed batch and compute_loss."""
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    generator = torch.Generator().manual_seed(0)
+    features = [{INPUT_IDS: torch.randint(3, VOCAB, (n,), generator=generator).tolist()} for n in LENGTHS * 2]
+    arguments = TrainingArguments(str(tmp_path), max_steps=1, use_cpu=True, report_to=[], save_strategy="no",
+                                  disable_tqdm=True)
+    trainer = PackedTrainer(model=patch_model(tiny_model(family)), args=arguments, train_dataset=features,
+                            lengths=[len(f[INPUT_IDS]) for f in features], capacity=40)
+    report = check_isolation(trainer)
+    assert report.ok and report.error is None, str(report)
+    assert report.layouts[0].name == "training step: per-token logits" and len(report.documents) > 1
+    assert all(d.gradient_leak == 0.0 for d in report.documents)

@@ -24,7 +24,13 @@ import torch
 from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.attention import fallback_of, packed_attention_name
 from hybrid_pack.integrations.transformers.context import current_boundaries, packed_row
-from hybrid_pack.integrations.transformers.entry import entry_modules, explicit_keys_in, stray_keys_error, wrap_entry
+from hybrid_pack.integrations.transformers.entry import (
+    entry_modules,
+    explicit_keys_in,
+    rebound,
+    stray_keys_error,
+    wrap_entry,
+)
 from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, family_of
 
 __all__ = ["patch_model", "is_patched", "packed_row", "FAMILIES", "TESTED_TRANSFORMERS"]
@@ -80,7 +86,7 @@ def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward) -> None
         stray = explicit_keys_in(kwargs)
         if stray:
             raise stray_keys_error(type(self).__name__, stray)
-        return original(hidden_states, *args, **kwargs)
+        return rebound(original, self)(hidden_states, *args, **kwargs)
 
     # Never traced by torch.compile: the boundaries are Python-level state, and the packed ops would be
     # recompiled for every layout; the layers around the mixer compile as usual.

@@ -32,7 +32,7 @@ from hybrid_pack.schema import (
 )
 
 __all__ = ["EXPLICIT_BOUNDARY_KEYS", "wrap_entry", "is_entry", "entry_modules", "explicit_keys_in", "stray_keys_error",
-           "packed_call_boundaries"]
+           "packed_call_boundaries", "rebound"]
 
 EXPLICIT_BOUNDARY_KEYS = tuple(key for key in BOUNDARY_KEYS if key != POSITION_IDS)
 """Keys that only a packed call carries (``position_ids`` alone is packed only when it restarts)."""
@@ -113,6 +113,13 @@ def packed_call_boundaries(arguments: dict[str, Any], *, by_positions: bool = Tr
     return boundaries.to(device) if boundaries.device != device else boundaries
 
 
+def rebound(method: Any, module: torch.nn.Module) -> Any:
+    """``method`` bound to ``module`` (a deep copy of a patched model must run its own weights, not the original's)."""
+    if isinstance(method, types.MethodType) and method.__self__ is not module:
+        return types.MethodType(method.__func__, module)
+    return method
+
+
 def is_entry(module: torch.nn.Module) -> bool:
     """Whether :func:`wrap_entry` has been applied to ``module``."""
     return getattr(module, _ENTRY_FLAG, False)
@@ -191,12 +198,13 @@ def wrap_entry(module: torch.nn.Module) -> None:
 
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        own = rebound(original, self)
         call = _packed_call(self, signature, args, kwargs)
         if call is None:
-            return original(*args, **kwargs)
+            return own(*args, **kwargs)
         boundaries, kwargs = call
         with packed_row(boundaries):
-            return original(*args, **kwargs)
+            return own(*args, **kwargs)
 
     module.forward = types.MethodType(torch.compiler.disable(forward, recursive=False), module)
     setattr(module, _ENTRY_FLAG, True)
