@@ -45,7 +45,7 @@ def _starts(lengths: list[int]) -> list[int]:
     return [sum(lengths[:i]) for i in range(len(lengths))]
 
 
-def _layer_inputs(family: str, hidden: torch.Tensor) -> dict:
+def _layer_inputs(family: str) -> dict:
     """Keyword arguments a decoder layer needs besides the hidden states (Qwen3-Next's are required)."""
     return {"position_embeddings": None} if family == "qwen3_next" else {}
 
@@ -68,11 +68,11 @@ def test_decoder_layer_called_directly_keeps_documents_apart(family: str) -> Non
     hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, LABELS)}
     x = hidden.clone().requires_grad_(True)
-    packed = layer(x, **_layer_inputs(family, x), **keys)
+    packed = layer(x, **_layer_inputs(family), **keys)
     packed = packed[0] if isinstance(packed, tuple) else packed
     with pure_torch_transformers(model):
         for start, n in zip(_starts(LENGTHS), LENGTHS, strict=True):
-            alone = layer(hidden[:, start:start + n], **_layer_inputs(family, hidden))
+            alone = layer(hidden[:, start:start + n], **_layer_inputs(family))
             alone = alone[0] if isinstance(alone, tuple) else alone
             torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
     (grad,) = torch.autograd.grad(packed[:, : LENGTHS[0] + LENGTHS[1]].sum(), x)

@@ -243,10 +243,32 @@ def test_router_aux_loss_couples_documents_by_design(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- docs/trl.md
 
 
-def test_docs_snippet_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _docs_scripts() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
+
+
+def test_docs_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first Python block of docs/trl.md runs as written (in a scratch directory)."""
-    snippet = re.search(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL).group(1)
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
-    exec(compile(snippet, str(DOCS), "exec"), namespace)
+    exec(compile(_docs_scripts()[0], str(DOCS), "exec"), namespace)
     assert namespace["report"].ok, str(namespace["report"])
+
+
+@pytest.mark.slow
+def test_docs_measurement_prints_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The measuring script of docs/trl.md runs and prints the leak the page shows: unpatched models raise or
+    leak, PackedSFTTrainer does not, packed and padded losses agree."""
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_docs_scripts()[1], str(DOCS), "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("qwen3_next: unpatched: raises ValueError; guard bypassed: log-probs differ by ")
+    assert lines[2].startswith("bamba: unpatched: raises ValueError; guard bypassed: log-probs differ by ")
+    assert lines[4].startswith("jamba: unpatched: log-probs differ by ")
+    for line in (lines[0], lines[2], lines[4]):
+        assert line.endswith("PackedSFTTrainer: log-probs differ by 0, gradient 0") or \
+            re.search(r"PackedSFTTrainer: log-probs differ by [0-9.]+e-0[7-9], gradient 0$", line), line
+    for line in (lines[1], lines[3]):
+        packed, padded = (float(x) for x in re.findall(r"loss (\d\.\d+)", line))
+        assert abs(packed - padded) < 1e-5, line
