@@ -1,4 +1,4 @@
-"""The cross-contamination harness (SPEC §7) and the runtime guard (SPEC §7a): prove a packed model never
+"""The cross-contamination harness (docs/api.md §7) and the runtime guard (§7a): prove a packed model never
 mixes documents, before training and while it trains."""
 
 from hybrid_pack.errors import IsolationError
@@ -6,7 +6,8 @@ from hybrid_pack.testing.guard import GuardRecord, IsolationWarning, PackingGuar
 from hybrid_pack.testing.isolation import DEFAULT_ATOL, assert_isolated, check_isolation
 from hybrid_pack.testing.layouts import Layout, adversarial_layouts, model_geometry
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
+from hybrid_pack.testing.training_step import check_training_step
 
-__all__ = ["check_isolation", "assert_isolated", "IsolationError", "IsolationReport", "LayoutResult",
-           "DocumentResult", "Layout", "adversarial_layouts", "model_geometry", "DEFAULT_ATOL", "PackingGuard",
-           "GuardRecord", "IsolationWarning"]
+__all__ = ["check_isolation", "check_training_step", "assert_isolated", "IsolationError", "IsolationReport",
+           "LayoutResult", "DocumentResult", "Layout", "adversarial_layouts", "model_geometry", "DEFAULT_ATOL",
+           "PackingGuard", "GuardRecord", "IsolationWarning"]

@@ -14,14 +14,14 @@ another (forward leaks), or whose backward sends gradient across documents (back
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.errors import IsolationError
+from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.testing.layouts import Layout, adversarial_layouts, model_geometry
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
@@ -37,7 +37,7 @@ def _logits(output: Any) -> torch.Tensor:
         return output.logits
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise ValueError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
+    raise InputError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
 
 
 def _batch_kwargs(boundaries: PackedBoundaries) -> dict[str, Any]:
@@ -208,7 +208,8 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
         s, e = starts[doc.index], starts[doc.index] + doc.length
         others = (positions < s) | (positions >= e)
         moved_ids = ids.clone()
-        moved_ids[s:e] = (ids[s:e] + torch.randint(1, vocab_size, (e - s,), generator=generator).to(device)) % vocab_size
+        shift = torch.randint(1, vocab_size, (e - s,), generator=generator).to(device)
+        moved_ids[s:e] = (ids[s:e] + shift) % vocab_size
         with torch.no_grad(), (_record_calls(model, t_len) if per_layer else contextlib.nullcontext([])) as calls:
             moved = _run(model, boundaries, ids=moved_ids).float()
         doc.perturbation_leak = _max_abs(moved[others] - packed[others]) / scale
@@ -249,15 +250,22 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
     return result
 
 
-def check_isolation(model: torch.nn.Module, *, lengths: Sequence[int] | None = None,
+def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengths: Sequence[int] | None = None,
                     documents: Sequence[Sequence[int]] | None = None, vocab_size: int | None = None,
                     grads: bool = True, per_layer: bool = True, seed: int = 0, atol: float | None = None,
                     grad_atol: float = 0.0, num_pad_tokens: int = 0, max_tokens: int = 512) -> IsolationReport:
     """Check that ``model`` keeps the documents of a packed row apart.
 
+    Given a ``transformers.Trainer`` (``trl.SFTTrainer`` included), or a model together with a real ``batch``,
+    the check runs on the path that trains instead: :func:`~hybrid_pack.testing.check_training_step` (the
+    trainer's ``compute_loss`` on its first training batch, or on ``batch``), and the layout arguments below
+    do not apply.
+
     Args:
         model: takes the SPEC §3 batch (``input_ids`` or ``inputs_embeds`` plus boundary keys) and returns
-            logits (a tensor, or an object with ``.logits``). Run in eval mode; its mode is restored.
+            logits (a tensor, or an object with ``.logits``). Run in eval mode; its mode is restored. Or a
+            ``transformers.Trainer``.
+        batch: a real packed batch to run through the model (or the trainer) instead of random layouts.
         lengths: one layout of random documents with these lengths. Default: the adversarial layouts
             for the chunk sizes and conv widths the model uses.
         documents: token ids of the documents to pack (overrides ``lengths``).
@@ -273,6 +281,11 @@ def check_isolation(model: torch.nn.Module, *, lengths: Sequence[int] | None = N
     Returns:
         An :class:`IsolationReport`; ``report.ok`` is the verdict.
     """
+    from hybrid_pack.testing.training_step import check_training_step, is_trainer
+
+    if batch is not None or is_trainer(model):
+        return check_training_step(model, batch, grads=grads, per_layer=per_layer, atol=atol, grad_atol=grad_atol,
+                                   seed=seed)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None else torch.float32
@@ -280,15 +293,15 @@ def check_isolation(model: torch.nn.Module, *, lengths: Sequence[int] | None = N
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab_size is None and documents is None:
-        raise ValueError("vocab_size: the model has no config.vocab_size; pass vocab_size= (or documents=)")
+        raise InputError("vocab_size: the model has no config.vocab_size; pass vocab_size= (or documents=)")
     if documents is not None:
         if not documents or any(len(d) == 0 for d in documents):
-            raise ValueError("documents: expected a non-empty list of non-empty token-id lists")
+            raise InputError("documents: expected a non-empty list of non-empty token-id lists")
         layouts = [Layout("given documents", tuple(len(d) for d in documents), num_pad_tokens)]
         vocab_size = vocab_size or max(max(d) for d in documents) + 1
     elif lengths is not None:
         if not lengths or any(int(n) < 1 for n in lengths):
-            raise ValueError("lengths: expected a non-empty list of document lengths >= 1")
+            raise InputError("lengths: expected a non-empty list of document lengths >= 1")
         layouts = [Layout("given lengths", tuple(int(n) for n in lengths), num_pad_tokens)]
     else:
         chunks, widths = model_geometry(model)
@@ -312,8 +325,9 @@ def check_isolation(model: torch.nn.Module, *, lengths: Sequence[int] | None = N
     return report
 
 
-def assert_isolated(model: torch.nn.Module, **kwargs: Any) -> IsolationReport:
-    """:func:`check_isolation`, raising :class:`IsolationError` (an AssertionError) with the report on a leak."""
+def assert_isolated(model: Any, **kwargs: Any) -> IsolationReport:
+    """:func:`check_isolation`, raising :class:`~hybrid_pack.errors.IsolationError` (an AssertionError) with the
+    report on a leak."""
     report = check_isolation(model, **kwargs)
     if not report.ok:
         raise IsolationError(report)

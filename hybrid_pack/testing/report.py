@@ -14,7 +14,8 @@ class DocumentResult:
     Attributes:
         index: position of the document in the row.
         length: its tokens.
-        alone_diff: max |logits packed - logits of the document run alone|.
+        alone_diff: max |logits packed - logits of the document run alone| (relative to the largest logit); on a
+            training step, of whatever it is judged by: per-token log-probs or its loss (absolute), or logits.
         perturbation_leak: max change of *other* documents' logits when this document's tokens change.
         gradient_leak: max |d loss(this document) / d embeddings of other documents|.
     """

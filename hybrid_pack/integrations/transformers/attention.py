@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.context import current_boundaries
+from hybrid_pack.integrations.transformers.entry import explicit_keys_in, stray_keys_error
 from hybrid_pack.ops import varlen_attention
 
 __all__ = ["packed_attention_name", "fallback_of"]
@@ -51,21 +53,25 @@ def _packed_attention(fallback: str) -> Any:
         """``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``([B, T, H, D], None)``, as transformers expects."""
         boundaries = current_boundaries()
         if boundaries is None:
+            stray = explicit_keys_in(kwargs)
+            if stray:
+                raise stray_keys_error(type(module).__name__, stray)
             return _original_attention(module, fallback)(module, query, key, value, attention_mask, dropout=dropout,
                                                          scaling=scaling, **kwargs)
+        layer = type(module).__name__
         if dropout:
-            raise ValueError(f"{type(module).__name__}: attention dropout {dropout} is not supported on packed rows; "
-                             "set config.attention_dropout=0.0")
+            raise UnsupportedModelError(f"{layer}: attention dropout {dropout} is not supported on packed rows; "
+                                        "set config.attention_dropout=0.0")
         for name in ("sliding_window", "softcap"):
             if kwargs.get(name) is not None:
-                raise ValueError(f"{type(module).__name__}: {name}={kwargs[name]!r} is not supported on packed rows")
+                raise UnsupportedModelError(f"{layer}: {name}={kwargs[name]!r} is not supported on packed rows")
         if not getattr(module, "is_causal", True):
-            raise ValueError(f"{type(module).__name__}: only causal attention is supported on packed rows")
+            raise UnsupportedModelError(f"{layer}: only causal attention is supported on packed rows")
         out = varlen_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), boundaries,
                                causal=True, softmax_scale=scaling)
         return out, None
 
-    return attention
+    return torch.compiler.disable(attention)  # boundaries are Python-level state: never traced
 
 
 def _packed_mask(fallback: str) -> Any:
@@ -77,7 +83,7 @@ def _packed_mask(fallback: str) -> Any:
             return None
         return ALL_MASK_ATTENTION_FUNCTIONS[fallback](**kwargs)
 
-    return mask
+    return torch.compiler.disable(mask)
 
 
 def packed_attention_name(fallback: str) -> str:

@@ -1,16 +1,18 @@
 """The boundaries of the packed row a patched model is running on, visible to its patched layers.
 
-:func:`~hybrid_pack.integrations.transformers.patch_model` sets them for the duration of one forward
-call; patched attention functions and mixers read them. Outside such a call (ordinary batches) they
-are None and every patched layer runs its original code.
+The entry that receives a packed batch (:mod:`.entry`: the model, its backbone or a decoder layer)
+sets them for the duration of that call; patched attention functions and mixers read them. Outside
+such a call (ordinary batches) they are None and every patched layer runs its original code.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 from typing import Any
+
+import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 
@@ -19,19 +21,29 @@ __all__ = ["current_boundaries", "packed_row", "carry_boundaries"]
 _BOUNDARIES: ContextVar[PackedBoundaries | None] = ContextVar("hybrid_pack_boundaries", default=None)
 
 
+@torch.compiler.disable
 def current_boundaries() -> PackedBoundaries | None:
     """The boundaries of the packed row being run, or None outside a packed call."""
     return _BOUNDARIES.get()
 
 
-@contextlib.contextmanager
-def packed_row(boundaries: PackedBoundaries | None) -> Iterator[None]:
-    """Make ``boundaries`` current inside the block (None: an ordinary, unpacked call)."""
-    token = _BOUNDARIES.set(boundaries)
-    try:
-        yield
-    finally:
-        _BOUNDARIES.reset(token)
+class packed_row(contextlib.AbstractContextManager):  # noqa: N801 (used like a function: with packed_row(b))
+    """Make ``boundaries`` current inside the block (None: an ordinary, unpacked call).
+
+    ``torch.compile`` never traces entering or leaving it: the boundaries are Python-level state.
+    """
+
+    def __init__(self, boundaries: PackedBoundaries | None) -> None:
+        self.boundaries = boundaries
+        self._token: Token[PackedBoundaries | None] | None = None
+
+    @torch.compiler.disable
+    def __enter__(self) -> None:
+        self._token = _BOUNDARIES.set(self.boundaries)
+
+    @torch.compiler.disable
+    def __exit__(self, *exc_info: object) -> None:
+        _BOUNDARIES.reset(self._token)
 
 
 def carry_boundaries(checkpoint: Callable[..., Any]) -> Callable[..., Any]:

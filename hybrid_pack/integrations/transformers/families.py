@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.gated_deltanet import (
     gated_deltanet_forward,
     qwen3_5_projections,
@@ -60,12 +61,12 @@ _UNSUPPORTED_HINTS = {
 
 
 def family_of(model: torch.nn.Module) -> Family:
-    """The :class:`Family` of ``model`` (read from ``model.config.model_type``); ValueError if unsupported."""
+    """The :class:`Family` of ``model`` (read from ``model.config.model_type``); UnsupportedModelError if none."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
     supported = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
     hint = _UNSUPPORTED_HINTS.get(model_type, "")
-    raise ValueError(f"model: {type(model).__name__} (model_type={model_type!r}) is not a supported hybrid family"
-                     f"{'; ' + hint if hint else ''}. Supported: {supported}")
+    raise UnsupportedModelError(f"model: {type(model).__name__} (model_type={model_type!r}) is not a supported "
+                                f"hybrid family{'; ' + hint if hint else ''}. Supported: {supported}")

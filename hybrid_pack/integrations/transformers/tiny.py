@@ -15,7 +15,7 @@ import torch
 
 from hybrid_pack.errors import InputError
 
-__all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model", "pure_torch_transformers"]
+__all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model", "tiny_tokenizer", "pure_torch_transformers"]
 
 VOCAB = 128
 CHUNK = 16
@@ -160,6 +160,19 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     return model.eval()
+
+
+def tiny_tokenizer() -> Any:
+    """A word-level tokenizer over the tiny models' vocabulary: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then the
+    words ``w3`` ... ``w{VOCAB - 1}`` (ids 3 to ``VOCAB - 1``), split on whitespace. Built in memory, for trainers
+    (TRL's ``SFTTrainer``) that need a ``processing_class``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 # transformers dispatches these to installed kernel packages (flash-linear-attention, causal-conv1d), which

@@ -2,9 +2,10 @@
 :class:`~hybrid_pack.PackedBatchSampler` and the :class:`~hybrid_pack.PackingCollator`.
 
 ``Trainer`` builds a plain sampler and a padding collator; :class:`PackedTrainer` swaps in a
-packed ``DataLoader`` and hands the model ready ``boundaries=`` built on the host. The sampler yields every rank's steps interleaved (``rank=None``), the layout
-accelerate's ``BatchSamplerShard`` splits across processes, and a callback sets its epoch so each
-epoch (and a resumed one) walks its own order.
+packed ``DataLoader`` and hands the model ready ``boundaries=`` built on the host. The sampler
+yields every rank's steps interleaved (``rank=None``), the layout accelerate's
+``BatchSamplerShard`` splits across processes, and a callback sets its epoch so each epoch (and a
+resumed one) walks its own order.
 """
 
 from __future__ import annotations

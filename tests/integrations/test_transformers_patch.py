@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from copy import deepcopy
 
 import pytest
 import torch
@@ -132,3 +133,18 @@ def test_patch_is_idempotent() -> None:
     model = patch_model(tiny_model("mamba2"))
     forward = model.forward
     assert patch_model(model) is model and model.forward is forward
+
+
+def test_a_copy_of_a_patched_model_runs_its_own_weights() -> None:
+    """The patched forwards are bound to their module, so a deep copy (a reference model, an EMA) is its own."""
+    model = patch_model(tiny_model("bamba"))
+    copy = deepcopy(model)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(0.1)
+    batch = PackedBoundaries.from_lengths(LENGTHS).hf_kwargs()
+    ids = _ids(1, sum(LENGTHS))
+    with torch.no_grad(), pure_torch_transformers(copy):
+        assert (copy(input_ids=ids, **batch).logits - model(input_ids=ids, **batch).logits).abs().max() > 1e-3
+        torch.testing.assert_close(copy(input_ids=ids).logits, copy.base_model(input_ids=ids).last_hidden_state
+                                   @ copy.lm_head.weight.T, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,8 @@ def test_native_presets_pass_every_adversarial_layout(preset):
 
 
 @pytest.mark.parametrize("family, mixer", [("mamba2", "backbone.layers.0.mixer"), ("jamba", "model.layers.0.mamba"),
-                                           ("lfm2", "model.layers.0.conv"), ("qwen3_next", "model.layers.0.linear_attn")])
+                                           ("lfm2", "model.layers.0.conv"),
+                                           ("qwen3_next", "model.layers.0.linear_attn")])
 def test_unpatched_leak_is_found_and_traced_to_the_mixer(family, mixer):
     model = tiny_model(family)
     with pure_torch_transformers(model):

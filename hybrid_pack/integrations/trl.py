@@ -1,0 +1,147 @@
+"""TRL's ``SFTTrainer`` with packed batches that never mix documents: :class:`PackedSFTTrainer`.
+
+One line changes in a TRL script::
+
+    trainer = PackedSFTTrainer(model=model, args=SFTConfig(packing=True, max_length=4096),
+                               train_dataset=dataset, processing_class=tokenizer)   # was SFTTrainer(...)
+
+Every batch goes through :class:`~hybrid_pack.PackingCollator` and the model is patched
+(:func:`~hybrid_pack.integrations.transformers.patch_model`), whatever TRL does to it afterwards or
+before (its fused LM head, PEFT, gradient checkpointing). The packing is TRL's (``packing=True``: its
+best-fit-decreasing rows, each with the ``seq_lengths`` of its documents) or hybrid_pack's
+(``capacity=N`` with ``packing=False``: :class:`~hybrid_pack.PackedBatchSampler` over the tokenized
+examples). TRL refuses a custom collator whenever its padding-free mode is on, so the trainer builds
+TRL's own and swaps the packing collator in once TRL is done with its checks.
+
+The loss is TRL's: a token mean over every labelled token of the batch (or of the accumulated batches,
+``num_items_in_batch``), with the first token of every document never a target, so a packed batch gives
+the loss and gradients of the same examples unpacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from datasets import Dataset
+from torch.utils.data import DataLoader
+from trl import SFTTrainer
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.collate import PackingCollator
+from hybrid_pack.errors import InputError
+from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.integrations.transformers.trainer import SetSamplerEpoch
+from hybrid_pack.packing.sampler import PackedBatchSampler
+from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, INPUT_IDS, LABELS
+
+__all__ = ["PackedRowsCollator", "PackedSFTTrainer", "TRL_SEQ_LENGTHS"]
+
+TRL_SEQ_LENGTHS = "seq_lengths"
+"""TRL's dataset column listing the lengths of the documents its packing put in one row."""
+
+Row = Mapping[str, Any]
+
+
+class PackedRowsCollator:
+    """Rows of a TRL dataset -> one packed row, through :class:`~hybrid_pack.PackingCollator`.
+
+    A row with ``seq_lengths`` (TRL's packing) is split into its documents; any other row is one
+    document. ``input_ids``, ``labels`` and the collator's ``extra_token_keys`` are split; other keys
+    are dropped. The output is :class:`~hybrid_pack.PackingCollator`'s: ``input_ids [1, T]`` and the
+    boundary keys, every document's first label ``-100``.
+
+    Args:
+        collator: the packing collator (default ``PackingCollator()``).
+    """
+
+    def __init__(self, collator: PackingCollator | None = None) -> None:
+        if collator is not None and not isinstance(collator, PackingCollator):
+            raise InputError(f"collator: expected a hybrid_pack.PackingCollator; got {type(collator).__name__}")
+        self.collator = collator or PackingCollator()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.collator!r})"
+
+    @property
+    def token_keys(self) -> tuple[str, ...]:
+        """The per-token columns a row may carry."""
+        return (INPUT_IDS, LABELS, *self.collator.extra_token_keys)
+
+    def documents(self, row: Row, index: int = 0) -> list[dict[str, Any]]:
+        """The documents of one dataset row (``index`` names the row in errors)."""
+        keys = [key for key in self.token_keys if row.get(key) is not None]
+        lengths = row.get(TRL_SEQ_LENGTHS)
+        if lengths is None:
+            return [{key: row[key] for key in keys}]
+        lengths = [int(n) for n in lengths]
+        total = len(row[INPUT_IDS])
+        if sum(lengths) != total or any(n < 1 for n in lengths):
+            raise InputError(f"rows[{index}].{TRL_SEQ_LENGTHS}: expected positive lengths summing to the row's "
+                             f"{total} tokens; got {lengths} (sum {sum(lengths)})")
+        docs, start = [], 0
+        for n in lengths:
+            docs.append({key: row[key][start:start + n] for key in keys})
+            start += n
+        return docs
+
+    def __call__(self, rows: Sequence[Row]) -> dict[str, Any]:
+        return self.collator([self.documents(row, i) for i, row in enumerate(rows)])
+
+
+class PackedSFTTrainer(SFTTrainer):
+    """``trl.SFTTrainer`` training on packed rows that keep their documents apart.
+
+    Takes every argument of ``SFTTrainer``; ``data_collator`` may only be a
+    :class:`~hybrid_pack.PackingCollator` (its settings are used; default ``PackingCollator()``).
+
+    Args:
+        capacity: pack the tokenized examples with hybrid_pack (``PackedBatchSampler``, best fit
+            decreasing) into rows of at most this many tokens, one row per step and rank
+            (``per_device_train_batch_size`` is then ignored). Needs ``packing=False`` in the config,
+            and every example no longer than ``capacity``. Without it, each batch of
+            ``per_device_train_batch_size`` rows (TRL's packed rows with ``packing=True``) becomes one
+            packed row.
+        *args, **kwargs: as for ``trl.SFTTrainer``.
+    """
+
+    def __init__(self, *args: Any, capacity: int | None = None, **kwargs: Any) -> None:
+        collator = kwargs.pop("data_collator", None)
+        if collator is not None and not isinstance(collator, PackingCollator):
+            raise InputError(f"data_collator: PackedSFTTrainer collates with hybrid_pack.PackingCollator; got "
+                             f"{type(collator).__name__} (pass a PackingCollator, or leave data_collator unset)")
+        super().__init__(*args, **kwargs)
+        if capacity is not None and self.args.packing:
+            raise InputError("capacity: hybrid_pack packs the examples itself; set packing=False in SFTConfig "
+                             "(packing=True packs them with TRL first)")
+        if capacity is not None and not isinstance(self.train_dataset, Dataset):
+            raise InputError(f"capacity: packing needs every example's length up front; got a "
+                             f"{type(self.train_dataset).__name__} (pass a datasets.Dataset, or use packing=True)")
+        self.data_collator = PackedRowsCollator(collator)
+        patch_model(self.model)
+        self.packed_sampler = None if capacity is None else PackedBatchSampler(
+            [len(ids) for ids in self.train_dataset[INPUT_IDS]], capacity, num_replicas=self.args.world_size,
+            rank=None, seed=self.args.seed)
+        if self.packed_sampler is not None:
+            self.add_callback(SetSamplerEpoch(self.packed_sampler))
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Keep the collator's extra per-token columns too (TRL keeps ``input_ids``, ``labels``, ``seq_lengths``)."""
+        super()._set_signature_columns_if_needed()
+        extra = [key for key in self.data_collator.collator.extra_token_keys if key not in self._signature_columns]
+        self._signature_columns = [*self._signature_columns, *extra]
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Build the boundaries from the batch before it moves to the device (no device reads later)."""
+        boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
+        inputs = super()._prepare_inputs(inputs)
+        if boundaries is not None:
+            inputs[BOUNDARIES] = boundaries.to(self.args.device)
+        return inputs
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.packed_sampler is None:
+            return super().get_train_dataloader()
+        loader = DataLoader(self.train_dataset, batch_sampler=self.packed_sampler, collate_fn=self.data_collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        return self.accelerator.prepare(loader)
