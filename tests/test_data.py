@@ -275,12 +275,13 @@ def test_collating_tokenized_chats(gsm8k_train) -> None:
 # ------------------------------------------------------------------ packaging
 def test_every_asset_is_package_data_with_its_license() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["hybrid_pack.data"]
+    setuptools = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
     files = [p for p in ASSETS_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     assert files
     for path in files:
-        relative = path.relative_to(ASSETS_DIR.parent).as_posix()
-        assert any(fnmatch.fnmatch(relative, g) for g in globs), f"{relative} is not matched by package-data {globs}"
+        package = ".".join(("hybrid_pack", "data", *path.parent.relative_to(ASSETS_DIR.parent).parts))
+        assert package in setuptools["packages"], f"{package} is not declared in [tool.setuptools] packages"
+        globs = setuptools["package-data"].get(package, [])
+        assert any(fnmatch.fnmatch(path.name, g) for g in globs), f"{path} is not matched by package-data {globs}"
     for folder in {p.parent for p in files} - {ASSETS_DIR / "lengths"}:
         assert list(folder.glob("LICENSE*")), f"{folder} has no LICENSE file"
