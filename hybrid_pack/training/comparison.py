@@ -76,6 +76,7 @@ def compare_padded(model: torch.nn.Module, initial_state: dict[str, torch.Tensor
     metrics.update({
         "padded_tokens_per_second": padded.tokens_per_second, "padded_losses": padded.losses,
         "padded_batch_size": batch_size, "padded_tokens_ratio": ratio,
+        "padded_peak_memory_bytes": padded.peak_memory_bytes,
         "speedup": packed.tokens_per_second / max(padded.tokens_per_second, 1e-12),
         "target_speedup": 0.9 * ratio,
         "same_batch_loss_rel_diff": gap, "final_loss_rel_diff": tail_gap,

@@ -52,6 +52,8 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
     amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
     progress = _progress_bar(cfg, total_steps, start_step, describe)
     model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     step = start_step
     for micro_batches in steps:
         if step >= total_steps:
@@ -76,6 +78,8 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
             on_step(step)
     if progress is not None:
         progress.close()
+    if device.type == "cuda":
+        stats.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     return stats
 
 

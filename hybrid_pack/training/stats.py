@@ -14,6 +14,7 @@ class RunStats:
         real_tokens / computed_tokens: tokens that were not padding / every token the model ran on.
         seconds: time in optimizer steps; ``warmup_seconds`` / ``warmup_tokens``: the first step's share.
         groups: example indices of every packed row, in order.
+        peak_memory_bytes: the most CUDA memory allocated during the pass (0 off CUDA).
     """
 
     losses: list[float] = field(default_factory=list)
@@ -23,6 +24,7 @@ class RunStats:
     warmup_seconds: float = 0.0
     warmup_tokens: int = 0
     groups: list[list[int]] = field(default_factory=list)
+    peak_memory_bytes: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -201,7 +201,7 @@ def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatc
         "mean_pack_fill": sum(fills) / max(1, len(fills)),
         "final_loss": stats.losses[-1] if stats.losses else None,
         "first_loss": stats.losses[0] if stats.losses else None, "losses": stats.losses, "seconds": stats.seconds,
-        "backends": _backends_used(proc.device),
+        "peak_memory_bytes": stats.peak_memory_bytes, "backends": _backends_used(proc.device),
     }
 
 
