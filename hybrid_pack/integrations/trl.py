@@ -24,16 +24,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datasets import Dataset
-from torch.utils.data import DataLoader
 from trl import SFTTrainer
 
-from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.trainer import SetSamplerEpoch
+from hybrid_pack.integrations.transformers.trainer import PackedBatches
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, INPUT_IDS, LABELS
+from hybrid_pack.schema import INPUT_IDS, LABELS
 
 __all__ = ["PackedRowsCollator", "PackedSFTTrainer", "TRL_SEQ_LENGTHS"]
 
@@ -89,7 +87,7 @@ class PackedRowsCollator:
         return self.collator([self.documents(row, i) for i, row in enumerate(rows)])
 
 
-class PackedSFTTrainer(SFTTrainer):
+class PackedSFTTrainer(PackedBatches, SFTTrainer):
     """``trl.SFTTrainer`` training on packed rows that keep their documents apart.
 
     Takes every argument of ``SFTTrainer``; ``data_collator`` may only be a
@@ -117,31 +115,15 @@ class PackedSFTTrainer(SFTTrainer):
         if capacity is not None and not isinstance(self.train_dataset, Dataset):
             raise InputError(f"capacity: packing needs every example's length up front; got a "
                              f"{type(self.train_dataset).__name__} (pass a datasets.Dataset, or use packing=True)")
-        self.data_collator = PackedRowsCollator(collator)
+        self.data_collator = self.packing_collator = PackedRowsCollator(collator)
         patch_model(self.model)
-        self.packed_sampler = None if capacity is None else PackedBatchSampler(
-            [len(ids) for ids in self.train_dataset[INPUT_IDS]], capacity, num_replicas=self.args.world_size,
-            rank=None, seed=self.args.seed)
-        if self.packed_sampler is not None:
-            self.add_callback(SetSamplerEpoch(self.packed_sampler))
+        if capacity is not None:
+            self.use_packed_sampler(PackedBatchSampler([len(ids) for ids in self.train_dataset[INPUT_IDS]], capacity,
+                                                       num_replicas=self.args.world_size, rank=None,
+                                                       seed=self.args.seed))
 
     def _set_signature_columns_if_needed(self) -> None:
         """Keep the collator's extra per-token columns too (TRL keeps ``input_ids``, ``labels``, ``seq_lengths``)."""
         super()._set_signature_columns_if_needed()
         extra = [key for key in self.data_collator.collator.extra_token_keys if key not in self._signature_columns]
         self._signature_columns = [*self._signature_columns, *extra]
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Build the boundaries from the batch before it moves to the device (no device reads later)."""
-        boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
-        inputs = super()._prepare_inputs(inputs)
-        if boundaries is not None:
-            inputs[BOUNDARIES] = boundaries.to(self.args.device)
-        return inputs
-
-    def get_train_dataloader(self) -> DataLoader:
-        if self.packed_sampler is None:
-            return super().get_train_dataloader()
-        loader = DataLoader(self.train_dataset, batch_sampler=self.packed_sampler, collate_fn=self.data_collator,
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
-        return self.accelerator.prepare(loader)

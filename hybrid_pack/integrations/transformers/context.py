@@ -27,7 +27,7 @@ def current_boundaries() -> PackedBoundaries | None:
     return _BOUNDARIES.get()
 
 
-class packed_row(contextlib.AbstractContextManager):  # noqa: N801 (used like a function: with packed_row(b))
+class packed_row(contextlib.AbstractContextManager):
     """Make ``boundaries`` current inside the block (None: an ordinary, unpacked call).
 
     ``torch.compile`` never traces entering or leaving it: the boundaries are Python-level state.

@@ -10,7 +10,7 @@ resumed one) walks its own order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,8 +20,9 @@ from transformers import Trainer, TrainerCallback
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.packing.sampler import PackedBatchSampler
+from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q
 
-__all__ = ["PackedTrainer", "SetSamplerEpoch"]
+__all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch"]
 
 
 class SetSamplerEpoch(TrainerCallback):
@@ -34,7 +35,40 @@ class SetSamplerEpoch(TrainerCallback):
         self.sampler.set_epoch(int(state.epoch or 0))
 
 
-class PackedTrainer(Trainer):
+class PackedBatches:
+    """What a ``Trainer`` (or a subclass such as TRL's) needs to train on packed rows: a packed ``DataLoader``
+    and boundaries built from the host batch before it moves to the device (no device syncs later).
+
+    Mixed in before the trainer class; the subclass sets ``packing_collator`` and calls :meth:`use_packed_sampler`
+    (without one, training rows come from the trainer's own loader).
+    """
+
+    packing_collator: Callable[[Any], dict[str, Any]] | None = None
+    packed_sampler: PackedBatchSampler | None = None
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
+        inputs = super()._prepare_inputs(inputs)  # type: ignore[misc]
+        if boundaries is not None:
+            inputs[BOUNDARIES] = boundaries.to(self.args.device)  # type: ignore[attr-defined]
+        return inputs
+
+    def use_packed_sampler(self, sampler: PackedBatchSampler) -> None:
+        """Draw training rows from ``sampler`` (its epoch follows the trainer's)."""
+        self.packed_sampler = sampler
+        self.add_callback(SetSamplerEpoch(sampler))  # type: ignore[attr-defined]
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.packed_sampler is None:
+            return super().get_train_dataloader()  # type: ignore[misc]
+        args = self.args  # type: ignore[attr-defined]
+        loader = DataLoader(self.train_dataset, batch_sampler=self.packed_sampler,  # type: ignore[attr-defined]
+                            collate_fn=self.packing_collator,
+                            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
+        return self.accelerator.prepare(loader)  # type: ignore[attr-defined]
+
+
+class PackedTrainer(PackedBatches, Trainer):
     """A ``Trainer`` whose training batches are packed rows of up to ``capacity`` tokens.
 
     Args:
@@ -48,19 +82,5 @@ class PackedTrainer(Trainer):
                  collator: PackingCollator | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.packing_collator = collator or PackingCollator()
-        self.packed_sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
-                                                 seed=self.args.seed)
-        self.add_callback(SetSamplerEpoch(self.packed_sampler))
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Build the boundaries from the host batch, before it moves to the device (no device syncs later)."""
-        boundaries = PackedBoundaries.from_batch(inputs) if "cu_seq_lens_q" in inputs else None
-        inputs = super()._prepare_inputs(inputs)
-        if boundaries is not None:
-            inputs["boundaries"] = boundaries.to(self.args.device)
-        return inputs
-
-    def get_train_dataloader(self) -> DataLoader:
-        loader = DataLoader(self.train_dataset, batch_sampler=self.packed_sampler, collate_fn=self.packing_collator,
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
-        return self.accelerator.prepare(loader)
+        self.use_packed_sampler(PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
+                                                   seed=self.args.seed))
