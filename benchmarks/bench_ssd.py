@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_pack import PackedBoundaries  # noqa: E402
 from hybrid_pack.ops import mamba2_ssd  # noqa: E402
-from tests.reference.ssd import mamba2_ssd_reference  # noqa: E402
+from tests.ops.reference.ssd import mamba2_ssd_reference  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd.json"
 
