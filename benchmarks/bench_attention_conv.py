@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_pack import PackedBoundaries  # noqa: E402
-from hybrid_pack.ops import causal_conv1d, varlen_attention  # noqa: E402
-from tests.reference.conv import causal_conv1d_ref  # noqa: E402
+from hybrid_pack import PackedBoundaries
+from hybrid_pack.ops import causal_conv1d, varlen_attention
+from tests.ops.reference.conv import causal_conv1d_ref
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_conv.json"
 

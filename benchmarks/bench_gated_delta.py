@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid_pack import PackedBoundaries
 from hybrid_pack.ops import gated_delta_rule
 from hybrid_pack.ops.gated_delta import torch_backend
-from tests.reference.gated_delta import gated_delta_rule_reference
+from tests.ops.reference.gated_delta import gated_delta_rule_reference
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gated_delta.json"
 

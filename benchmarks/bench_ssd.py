@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_pack import PackedBoundaries  # noqa: E402
-from hybrid_pack.ops import mamba2_ssd  # noqa: E402
-from tests.reference.ssd import mamba2_ssd_reference  # noqa: E402
+from hybrid_pack import PackedBoundaries
+from hybrid_pack.ops import mamba2_ssd
+from tests.ops.reference.ssd import mamba2_ssd_reference
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd.json"
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_pack import PackedBoundaries, PackingCollator
-from hybrid_pack.collate import IGNORE_INDEX
+from hybrid_pack.schema import IGNORE_INDEX
 
 BOUNDARY_KEYS = ("input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 EXTRA_KEYS = ("response_mask", "tool_mask", "advantages", "old_logprobs")
@@ -272,7 +272,7 @@ def test_property_random_lengths(lengths: list[int], pad_to: int | None, with_la
         np.testing.assert_allclose(batch[key][0].numpy(), flat, rtol=1e-6, err_msg=key)
     boundaries = PackedBoundaries.from_batch(batch)
     assert boundaries.lengths == lengths and boundaries.num_pad_tokens == num_pad
-    expected = PackedBoundaries.from_lengths(lengths + [num_pad] if num_pad else lengths, num_pad_tokens=num_pad)
+    expected = PackedBoundaries.from_document_lengths(lengths, num_pad_tokens=num_pad)
     for key, field in (("position_ids", "position_ids"), ("seq_idx", "seq_idx"), ("cu_seq_lens_q", "cu_seqlens")):
         assert batch[key].dtype == getattr(expected, field).dtype, key
         assert torch.equal(batch[key], getattr(expected, field)), key

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
 from hybrid_pack.loss import token_logprobs
+from tests.kit import assert_close
 
 VOCAB = 37
+TOL = 1e-6  # float32 losses and gradients
 
 
 def _documents(seed: int, lengths: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -55,6 +57,9 @@ def _padded_loss(model: TinyLM, docs: list[dict[str, torch.Tensor]], reduction: 
     return ((per_token * valid).sum(1)[rows] / valid.sum(1)[rows]).mean()
 
 
+PARAMETERS = ("embed.weight", "head.weight", "head.bias")
+
+
 def _grads(model: TinyLM, loss: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.autograd.grad(loss, list(model.parameters())))
 
@@ -68,9 +73,9 @@ def test_packed_equals_padded(reduction: str, seed: int) -> None:
     boundaries = PackedBoundaries.from_batch(batch)
     packed = packed_loss(model(batch["input_ids"]), batch["labels"], boundaries=boundaries, reduction=reduction)
     padded = _padded_loss(model, docs, reduction)
-    torch.testing.assert_close(packed, padded)
-    for a, b in zip(_grads(model, packed), _grads(model, padded)):
-        torch.testing.assert_close(a, b)
+    assert_close(packed, padded, "loss", tol=TOL)
+    for name, a, b in zip(PARAMETERS, _grads(model, packed), _grads(model, padded)):
+        assert_close(a, b, f"d{name}", tol=TOL)
 
 
 @pytest.mark.parametrize("reduction", ["token", "sequence"])
@@ -89,9 +94,9 @@ def test_gradient_accumulation_with_num_items_in_batch(reduction: str) -> None:
                     reduction=reduction, num_items_in_batch=num_items)
         for b in batches)
     padded = _padded_loss(model, docs, reduction)
-    torch.testing.assert_close(accumulated, padded)
-    for a, b in zip(_grads(model, accumulated), _grads(model, padded)):
-        torch.testing.assert_close(a, b)
+    assert_close(accumulated, padded, "loss", tol=TOL)
+    for name, a, b in zip(PARAMETERS, _grads(model, accumulated), _grads(model, padded)):
+        assert_close(a, b, f"d{name}", tol=TOL)
 
 
 def test_tensor_num_items_in_batch_matches_int() -> None:
@@ -100,7 +105,7 @@ def test_tensor_num_items_in_batch_matches_int() -> None:
     logits = TinyLM()(batch["input_ids"])
     as_int = packed_loss(logits, batch["labels"], num_items_in_batch=11)
     as_tensor = packed_loss(logits, batch["labels"], num_items_in_batch=torch.tensor(11))
-    torch.testing.assert_close(as_int, as_tensor)
+    assert_close(as_int, as_tensor, "loss", tol=TOL)
 
 
 def test_collator_labels_never_predict_across_documents() -> None:
@@ -114,12 +119,12 @@ def test_collator_labels_never_predict_across_documents() -> None:
     model = TinyLM()
     logits = model(batch["input_ids"])
     with_bounds = packed_loss(logits, batch["labels"], boundaries=boundaries)
-    torch.testing.assert_close(packed_loss(logits, batch["labels"]), with_bounds)
-    torch.testing.assert_close(with_bounds, _padded_loss(model, [{**d, "labels": d["input_ids"]} for d in docs],
-                                                         "token"))
+    assert_close(packed_loss(logits, batch["labels"]), with_bounds, "loss without boundaries", tol=TOL)
+    assert_close(with_bounds, _padded_loss(model, [{**d, "labels": d["input_ids"]} for d in docs], "token"), "loss",
+                 tol=TOL)
 
     raw = batch["input_ids"]
-    torch.testing.assert_close(packed_loss(logits, raw, boundaries=boundaries), with_bounds)
+    assert_close(packed_loss(logits, raw, boundaries=boundaries), with_bounds, "loss of raw labels", tol=TOL)
     assert not torch.allclose(packed_loss(logits, raw), with_bounds)
 
 
@@ -129,7 +134,7 @@ def test_padding_segment_and_single_token_documents_are_excluded_from_sequence_m
     boundaries = PackedBoundaries.from_batch(batch)
     model = TinyLM()
     packed = packed_loss(model(batch["input_ids"]), batch["labels"], boundaries=boundaries, reduction="sequence")
-    torch.testing.assert_close(packed, _padded_loss(model, docs[1::2], "sequence"))
+    assert_close(packed, _padded_loss(model, docs[1::2], "sequence"), "loss", tol=TOL)
 
 
 def test_bf16_logits_accumulate_in_fp32() -> None:
@@ -139,7 +144,7 @@ def test_bf16_logits_accumulate_in_fp32() -> None:
     loss = packed_loss(logits, batch["labels"])
     assert loss.dtype == torch.float32
     exact = packed_loss(logits.double(), batch["labels"])
-    torch.testing.assert_close(loss.double(), exact, rtol=1e-6, atol=0)
+    assert_close(loss.double(), exact, "loss", tol=5e-7)
 
 
 def test_no_targets_gives_zero_loss_and_gradient() -> None:
@@ -159,7 +164,7 @@ def test_token_logprobs_are_aligned_with_tokens() -> None:
     for t in range(1, labels.shape[0]):
         if labels[t] != -100:
             expected = torch.log_softmax(logits[0, t - 1], -1)[labels[t]]
-            torch.testing.assert_close(logprobs[0, t], expected)
+            assert_close(logprobs[0, t], expected, f"logprob of token {t}", tol=TOL)
             assert mask[0, t]
         else:
             assert logprobs[0, t] == 0 and not mask[0, t]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_pack.boundaries import PackedBoundaries
+
 _CHUNK_ATTRS = ("chunk_size", "mamba_chunk_size", "ssd_chunk_size")
 _CONV_ATTRS = ("conv_kernel", "conv_width", "linear_conv_kernel_dim", "mamba_d_conv", "conv_L_cache", "d_conv",
                "mamba_conv_kernel", "ssm_conv_kernel", "gdn_conv_width", "mamba_conv_width")
@@ -25,6 +27,11 @@ class Layout:
     @property
     def total_tokens(self) -> int:
         return sum(self.lengths) + self.num_pad_tokens
+
+    def boundaries(self, device: torch.device | str | None = None) -> PackedBoundaries:
+        """The packed row's boundaries: these documents, then the padding segment."""
+        return PackedBoundaries.from_document_lengths(self.lengths, num_pad_tokens=self.num_pad_tokens,
+                                                      device=device)
 
 
 def model_geometry(model: torch.nn.Module) -> tuple[list[int], list[int]]:
@@ -59,7 +66,7 @@ def adversarial_layouts(chunk_sizes: Iterable[int] = (64,), conv_widths: Iterabl
     w = max(widths)
     layouts = [
         Layout("one-token documents", (1, 1, 1, 2, 1, 3, 1)),
-        Layout("conv width edges", tuple(x for v in widths for x in (max(v - 1, 1), v, v + 1)) + (1, 2)),
+        Layout("conv width edges", (*(x for v in widths for x in (max(v - 1, 1), v, v + 1)), 1, 2)),
     ]
     for c in sorted(set(chunk_sizes)):
         layouts += [

@@ -41,7 +41,7 @@ if not SKIP_REASON:
 @pytest.fixture
 def without_selfcheck(monkeypatch: pytest.MonkeyPatch) -> None:
     """Adapter tests compare each kernel with the torch backend themselves; in the interpreter the self-check
-    would repeat that comparison at several minutes per signature (tests/kernels/test_selfcheck.py runs it)."""
+    would repeat that comparison at several minutes per signature (tests/ops/test_selfcheck.py tests it)."""
     monkeypatch.setenv(VERIFY_ENV, "0")
 
 

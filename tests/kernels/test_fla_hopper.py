@@ -13,14 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybrid_pack import PackedBoundaries
-from hybrid_pack.ops import gated_delta_rule
 from hybrid_pack.ops.gated_delta import fla_hopper
-from tests.kernels.layouts import assert_close
+from tests import kit
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("without_selfcheck")]
+
+TOL = 1e-4  # float32 kernels against float32 torch
+SIGNATURE = kit.gated_delta_signature(heads=1, v_heads=2, k_dim=16, v_dim=8, use_qk_l2norm=True,
+                                      output_final_state=False, dtype=torch.float32)
 
 
 @pytest.fixture
@@ -33,41 +35,30 @@ def hopper_with_triton_3_6(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fla_hopper, "_installed", False)
 
 
-def gdn_inputs(boundaries: PackedBoundaries, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    t = boundaries.total_tokens
-    q, k = torch.randn(2, 1, t, 1, 16, generator=gen)
-    v = torch.randn(1, t, 2, 8, generator=gen)
-    g = F.logsigmoid(torch.randn(1, t, 2, generator=gen) + 2)
-    beta = torch.rand(1, t, 2, generator=gen)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
-
-
-def gradients(backend: str, boundaries: PackedBoundaries) -> list[torch.Tensor]:
-    inputs = gdn_inputs(boundaries)
-    o, _ = gated_delta_rule(*inputs, boundaries, use_qk_l2norm=True, backend=backend)
-    weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
-    return [o, *torch.autograd.grad((o * weights).sum(), inputs)]
+def gradients(backend: str, boundaries: PackedBoundaries) -> dict[str, torch.Tensor]:
+    case = kit.op_inputs("gated_delta", SIGNATURE, boundaries)
+    return kit.forward_backward("gated_delta", kit.public_op("gated_delta", backend), case, boundaries)
 
 
 @pytest.mark.usefixtures("hopper_with_triton_3_6")
 def test_fla_refuses_the_gated_backward_there() -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    boundaries = PackedBoundaries.from_lengths([70, 1, 60])
-    q, k, v, g, beta = gdn_inputs(boundaries)
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=boundaries.cu_seqlens.long(),
-                                  use_qk_l2norm_in_kernel=True)
+    boundaries = kit.Layout("across_chunks", (70, 1, 60)).boundaries()
+    args = kit.op_inputs("gated_delta", SIGNATURE, boundaries).arguments
+    o, _ = chunk_gated_delta_rule(*(args[name] for name in ("q", "k", "v", "g", "beta")),
+                                  cu_seqlens=boundaries.cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
     with pytest.raises(RuntimeError, match="Hopper"):
         o.sum().backward()
 
 
 @pytest.mark.usefixtures("hopper_with_triton_3_6")
 def test_fla_backend_trains_there_with_the_torch_dqkwg() -> None:
-    boundaries = PackedBoundaries.from_document_lengths([1, 63, 65, 1, 40], num_pad_tokens=3)
-    names = ("o", "dq", "dk", "dv", "dg", "dbeta")
-    for name, got, want in zip(names, gradients("fla", boundaries), gradients("torch", boundaries)):
-        assert_close(got, want, name)
+    boundaries = kit.Layout("chunk_edges_and_padding", (1, 63, 65, 1, 40), num_pad_tokens=3).boundaries()
+    got, want = gradients("fla", boundaries), gradients("torch", boundaries)
+    assert set(got) == set(want) == {"output", "dq", "dk", "dv", "dg", "dbeta"}
+    for name in got:
+        kit.assert_close(got[name], want[name], name, tol=TOL)
     assert fla_hopper.affected() and fla_hopper._installed
 
 
@@ -110,4 +101,4 @@ def test_torch_dqkwg_matches_flas_triton_kernel(lengths: list[int] | None, heads
     inputs = chunk_inputs(lengths, heads, v_heads, k_dim, v_dim, state_v_first)
     for name, got, want in zip(("dq", "dk", "dw", "dg"), fla_hopper.chunk_bwd_dqkwg(**inputs),
                                chunk_bwd_dqkwg(**inputs)):
-        assert_close(got, want, name)
+        kit.assert_close(got, want, name, tol=TOL)

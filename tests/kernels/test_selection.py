@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 
 import pytest
 import torch
@@ -11,17 +13,47 @@ from hybrid_pack.backends import available, get_backend, resolve, select, use_ba
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule
 from hybrid_pack.ops.conv.kernel_causal_conv1d import conv_accepts
 from hybrid_pack.ops.triton_device import cpu_interpreter_enabled
-from hybrid_pack.testing.triton_cpu import enable_cpu_interpreter
-from tests.kernels.layouts import assert_close, boundaries_of
+from hybrid_pack.testing.triton_cpu import CUDA_EXTENSIONS, enable_cpu_interpreter
+from tests import kit
 
 pytestmark = pytest.mark.kernels
 
 CPU = torch.device("cpu")
 
 
+def interpreter_patches() -> dict[str, object]:
+    """Everything :func:`enable_cpu_interpreter` replaces, by name."""
+    from triton.runtime import interpreter
+    from triton.runtime.autotuner import Autotuner
+
+    return {"Autotuner.do_bench": Autotuner.__dict__["do_bench"],
+            "loop-counter AST transformer": interpreter.FunctionRewriter.ast_transformer,
+            "torch.cuda.get_device_properties": torch.cuda.get_device_properties,
+            "torch.cuda._exchange_device": torch.cuda._exchange_device,
+            "torch.cuda._maybe_exchange_device": torch.cuda._maybe_exchange_device,
+            **{name: sys.modules[name] for name in CUDA_EXTENSIONS}}
+
+
 def test_interpreter_is_enabled_once() -> None:
-    enable_cpu_interpreter()
+    """The tier's conftest enabled the interpreter; enabling it again replaces nothing, clears no cache of
+    rewritten kernels, and the device-properties patch wraps torch's own function, once."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     assert cpu_interpreter_enabled()
+    before = interpreter_patches()
+    rewritten = object()
+    InterpretedFunction.rewritten_fn[rewritten] = rewritten  # stands for a kernel rewritten by the transformer
+    try:
+        enable_cpu_interpreter()
+        assert InterpretedFunction.rewritten_fn.get(rewritten) is rewritten, "the rewritten kernels were dropped"
+    finally:
+        InterpretedFunction.rewritten_fn.pop(rewritten, None)
+    after = interpreter_patches()
+    replaced = [name for name in before if after[name] is not before[name]]
+    assert not replaced, f"enabled twice: {replaced} replaced again"
+    wrapped = inspect.getclosurevars(torch.cuda.get_device_properties).nonlocals["get_properties"]
+    assert wrapped.__module__ == "torch.cuda", f"get_device_properties wrapped more than once: {wrapped}"
+    assert torch.cuda.get_device_properties(CPU).multi_processor_count == 1
 
 
 @pytest.mark.parametrize(("op", "name"), [("conv", "fla"), ("gated_delta", "fla"), ("ssd", "mamba_ssm")])
@@ -53,7 +85,7 @@ def test_causal_conv1d_refuses_what_it_cannot_keep_apart() -> None:
 
 
 def test_forced_kernel_that_cannot_take_the_inputs_raises() -> None:
-    b = boundaries_of("long_next_to_short")
+    b = kit.KERNEL_LAYOUTS["long_next_to_short"].boundaries()
     q = torch.randn(1, b.total_tokens, 1, 320)
     v = torch.randn(1, b.total_tokens, 1, 4)
     g, beta = torch.zeros(2, 1, b.total_tokens, 1)
@@ -64,7 +96,7 @@ def test_forced_kernel_that_cannot_take_the_inputs_raises() -> None:
 
 
 def test_automatic_choice_falls_through_to_torch_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
-    b = boundaries_of("long_next_to_short")
+    b = kit.KERNEL_LAYOUTS["long_next_to_short"].boundaries()
     inputs = {"q": torch.randn(1, b.total_tokens, 1, 288)}
     with caplog.at_level(logging.WARNING, logger="hybrid_pack.backends"):
         for _ in range(2):
@@ -88,7 +120,7 @@ def test_mamba_ssm_refuses_inputs_it_would_get_wrong(inputs: dict, reason: str) 
 def test_mamba_ssm_adapter_never_drops_initial_states() -> None:
     from hybrid_pack.ops.ssd.kernel_mamba_ssm import mamba2_ssd as mamba_ssm_adapter
 
-    b = boundaries_of("long_next_to_short")
+    b = kit.KERNEL_LAYOUTS["long_next_to_short"].boundaries()
     x = torch.randn(1, b.total_tokens, 1, 2)
     dt, a = torch.zeros(1, b.total_tokens, 1), -torch.ones(1)
     bm = torch.randn(1, b.total_tokens, 1, 4)
@@ -98,7 +130,8 @@ def test_mamba_ssm_adapter_never_drops_initial_states() -> None:
 
 
 def test_conv_width_beyond_causal_conv1d_runs_on_fla() -> None:
-    b = boundaries_of("long_next_to_short")
+    b = kit.KERNEL_LAYOUTS["long_next_to_short"].boundaries()
     x, weight = torch.randn(1, b.total_tokens, 8), torch.randn(8, 6)
     assert select("conv", device=CPU, dtype=torch.float32) == "fla"
-    assert_close(causal_conv1d(x, weight, None, b), causal_conv1d(x, weight, None, b, backend="torch"), "y")
+    kit.assert_close(causal_conv1d(x, weight, None, b), causal_conv1d(x, weight, None, b, backend="torch"), "y",
+                     tol=1e-4)

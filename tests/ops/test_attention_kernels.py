@@ -20,16 +20,16 @@ from torch.nn.attention.flex_attention import flex_attention
 from hybrid_pack import PackedBoundaries
 from hybrid_pack.ops.attention import kernel_flex, kernel_torch_varlen
 from hybrid_pack.ops.attention.torch_backend import varlen_attention as torch_attention
+from tests import kit
+from tests.kit import FLEX_BLOCK_LAYOUTS as LAYOUTS
 
-LAYOUTS = [([1, 127, 1, 129, 2, 128, 259, 3], 5), ([5], 0), ([300, 20, 1], 0), ([64, 64, 64, 64], 0)]
 
-
-def attention_inputs(total: int, heads: int = 4, kv_heads: int = 2, dim: int = 16, seed: int = 0
+def attention_inputs(boundaries: PackedBoundaries, kv_heads: int = 2, dtype: torch.dtype = torch.float64
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, total, heads, dim, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(1, total, kv_heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    return q, k, v
+    """q ``[1, T, 4, 16]``, k and v ``[1, T, kv_heads, 16]`` from the op's own make_inputs."""
+    signature = kit.attention_signature(kv_heads=kv_heads, dim=16, dtype=dtype)
+    case = kit.op_inputs("attention", signature, boundaries, requires_grad=False)
+    return case.arguments["q"], case.arguments["k"], case.arguments["v"]
 
 
 def varlen_attn_2_11(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
@@ -65,12 +65,12 @@ varlen_attn_2_13.grouped_calls = 0
 def test_varlen_attn_adapter_takes_grouped_heads_on_every_torch(stand_in: Any, kv_heads: int, causal: bool,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel_torch_varlen, "_varlen_attn", lambda: stand_in)
-    boundaries = PackedBoundaries.from_document_lengths([3, 1, 40, 9], num_pad_tokens=4)
-    q, k, v = attention_inputs(boundaries.total_tokens, kv_heads=kv_heads)
+    boundaries = kit.Layout("short_long_and_padding", (3, 1, 40, 9), num_pad_tokens=4).boundaries()
+    q, k, v = attention_inputs(boundaries, kv_heads=kv_heads)
     grouped_before = varlen_attn_2_13.grouped_calls
     out = kernel_torch_varlen.varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=0.3)
     expected = torch_attention(q, k, v, boundaries, causal=causal, softmax_scale=0.3)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    kit.assert_close(out, expected, "output", tol=1e-12)
     uses_gqa_flag = stand_in is varlen_attn_2_13 and kv_heads != 4
     assert varlen_attn_2_13.grouped_calls - grouped_before == int(uses_gqa_flag)
 
@@ -91,10 +91,10 @@ def dense_block_tables(segment_lengths: tuple[int, ...], length: int, causal: bo
     return blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3))
 
 
-@pytest.mark.parametrize(("lengths", "num_pad"), LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_flex_block_tables_match_the_token_mask(lengths: list[int], num_pad: int, causal: bool) -> None:
-    boundaries = PackedBoundaries.from_document_lengths(lengths, num_pad_tokens=num_pad)
+def test_flex_block_tables_match_the_token_mask(layout: str, causal: bool) -> None:
+    boundaries = LAYOUTS[layout].boundaries()
     length = kernel_flex.bucket_length(boundaries.total_tokens)
     counts, indices, full_counts, full_indices = kernel_flex._block_tables(boundaries.segment_lengths, length, causal)
     meets, full = dense_block_tables(boundaries.segment_lengths, length, causal)
@@ -110,14 +110,14 @@ def test_bucket_lengths_are_few_static_and_block_aligned() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize(("lengths", "num_pad"), LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_flex_adapter_matches_torch_on_padded_rows(lengths: list[int], num_pad: int, causal: bool) -> None:
-    boundaries = PackedBoundaries.from_document_lengths(lengths, num_pad_tokens=num_pad)
-    q, k, v = attention_inputs(boundaries.total_tokens)
+def test_flex_adapter_matches_torch_on_padded_rows(layout: str, causal: bool) -> None:
+    boundaries = LAYOUTS[layout].boundaries()
+    q, k, v = attention_inputs(boundaries)
     out = kernel_flex.varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=0.25)
     expected = torch_attention(q, k, v, boundaries, causal=causal, softmax_scale=0.25)
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    kit.assert_close(out, expected, "output", tol=1e-10)
     assert boundaries.view(("flex_block_mask", causal, kernel_flex.bucket_length(boundaries.total_tokens)),
                            lambda: None) is not None  # the mask is kept on the boundaries
 
@@ -130,8 +130,8 @@ def test_compiled_flex_compiles_once_per_bucket(monkeypatch: pytest.MonkeyPatch)
     dynamo_utils.counters.clear()
     for lengths in ([100, 3, 20], [70, 1, 1, 50]):
         boundaries = PackedBoundaries.from_lengths(lengths)
-        q, k, v = (t.float() for t in attention_inputs(boundaries.total_tokens))
+        q, k, v = attention_inputs(boundaries, dtype=torch.float32)
         out = kernel_flex.varlen_attention(q, k, v, boundaries, causal=True, softmax_scale=0.25)
         expected = torch_attention(q, k, v, boundaries, causal=True, softmax_scale=0.25)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        kit.assert_close(out, expected, "output", tol=1e-5)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1

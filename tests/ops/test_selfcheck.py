@@ -19,12 +19,13 @@ import torch
 from hybrid_pack import PackedBoundaries, backends, use_backends
 from hybrid_pack.cli import main as cli_main
 from hybrid_pack.errors import BackendUnavailableError
-from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
+from hybrid_pack.ops import causal_conv1d
 from hybrid_pack.ops.dispatch import registry, selector, verdicts
 from hybrid_pack.ops.dispatch.registry import contract_of, reference_of
+from tests import kit
 
 PLANTED = "planted"
-CPU = torch.device("cpu")
+ROW = kit.Layout("short_long_and_padding", (3, 1, 20, 7), num_pad_tokens=2)
 
 
 def _map_tensors(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -110,20 +111,15 @@ def register_planted(op: str, defect: str, calls: list[int] | None = None, **kwa
 
 def call_op(op: str, requires_grad: bool, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     """Call the public op on a small packed row of the op's typical CPU signature; returns (result, inputs)."""
-    boundaries = PackedBoundaries.from_document_lengths([3, 1, 20, 7], num_pad_tokens=2)
-    case = contract_of(op).make_case(contract_of(op).default_signature(torch.float32, "cpu"), boundaries,
-                                     torch.Generator().manual_seed(seed))
-    args = {k: v.detach().clone().requires_grad_(requires_grad) if isinstance(v, torch.Tensor) else v
-            for k, v in case.arguments.items()}
-    public = {"attention": varlen_attention, "conv": causal_conv1d, "gated_delta": gated_delta_rule,
-              "ssd": mamba2_ssd}[op]
-    return case.call(public, boundaries, args), args
+    boundaries = ROW.boundaries()
+    signature = contract_of(op).default_signature(torch.float32, "cpu")
+    case = kit.op_inputs(op, signature, boundaries, seed=seed, requires_grad=requires_grad)
+    return case.call(kit.PUBLIC_OPS[op], boundaries), case.arguments
 
 
 def reference_result(op: str, args: dict[str, Any]) -> Any:
-    boundaries = PackedBoundaries.from_document_lengths([3, 1, 20, 7], num_pad_tokens=2)
-    case = contract_of(op).make_case(contract_of(op).default_signature(torch.float32, "cpu"), boundaries,
-                                     torch.Generator().manual_seed(0))
+    boundaries = ROW.boundaries()
+    case = kit.op_inputs(op, contract_of(op).default_signature(torch.float32, "cpu"), boundaries)
     detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     return case.call(reference_of(op).fn, boundaries, detached)
 
@@ -257,7 +253,7 @@ def test_no_check_runs_inside_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_compiled_caller_gets_a_correct_result() -> None:
     register_planted("conv", "one_percent_off")
     _, args = call_op("conv", requires_grad=False)
-    boundaries = PackedBoundaries.from_document_lengths([3, 1, 20, 7], num_pad_tokens=2)
+    boundaries = ROW.boundaries()
 
     def conv(x: torch.Tensor) -> torch.Tensor:
         return causal_conv1d(x, args["weight"], args["bias"], boundaries, activation=args["activation"])

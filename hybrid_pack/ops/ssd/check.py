@@ -32,8 +32,10 @@ def make_inputs(signature: Signature, boundaries: PackedBoundaries, generator: t
     """Inputs of a stable scan in the signature's dtypes.
 
     ``x [1, T, H, P]`` and ``B, C [1, T, G, N]`` from N(0, 1); raw ``dt [1, T, H]`` from N(0, 0.5) with
-    ``dt_bias`` around -2 (softplus then gives steps near 0.1); ``A [H]`` in [-1.5, -0.5]; ``D`` ([H] or
-    [H, P]), ``z`` and ``initial_states [N, H, P, N]`` when the signature has them.
+    ``dt_bias`` around -2 (softplus then gives steps near 0.1); without softplus, ``dt`` is the step itself
+    (``|N(0, 0.1)|``) and ``dt_bias`` N(0, 0.02), small enough to leave most steps positive rather than
+    clamped to zero; ``A [H]`` in [-1.5, -0.5]; ``D`` ([H] or [H, P]), ``z`` and ``initial_states
+    [N, H, P, N]`` when the signature has them.
     """
     s = dict(signature)
     t, device = boundaries.total_tokens, boundaries.device
@@ -43,6 +45,7 @@ def make_inputs(signature: Signature, boundaries: PackedBoundaries, generator: t
         return None if s[name] is None else random_tensor(shape, s[name], device, generator, **kwargs)
 
     a = -(torch.rand(h, generator=generator) + 0.5)
+    bias_scale, bias_shift = (0.5, -2.0) if s["dt_softplus"] else (0.02, 0.0)
     arguments = {
         "x": draw("x", (1, t, h, p)),
         "dt": draw("dt", (1, t, h), scale=0.5, shift=0.0 if s["dt_bias"] is not None or not s["dt_softplus"] else -2.0),
@@ -51,7 +54,7 @@ def make_inputs(signature: Signature, boundaries: PackedBoundaries, generator: t
         "C": draw("C", (1, t, g, n)),
         "D": draw("D", (h, p) if s["D_per_channel"] else (h,)),
         "z": draw("z", (1, t, h, p)),
-        "dt_bias": draw("dt_bias", (h,), scale=0.5, shift=-2.0),
+        "dt_bias": draw("dt_bias", (h,), scale=bias_scale, shift=bias_shift),
         "dt_softplus": s["dt_softplus"],
         "chunk_size": s["chunk_size"],
         "initial_states": draw("initial_states", (boundaries.num_docs, h, p, n), scale=0.1),

@@ -1,4 +1,6 @@
-"""Public-op validation and backend selection, exercised with the torch backends of attention and conv."""
+"""Backend selection: priority, inputs a backend refuses, forcing (argument, context, environment), the
+list of usable backends and the report; exercised with the torch backends of attention and conv and a
+fake conv kernel."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from hybrid_pack import use_backends
 from hybrid_pack.backends import ENV_VAR, Backend, available, register, report, select
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops import causal_conv1d, varlen_attention
+from hybrid_pack.ops.attention.torch_backend import varlen_attention as torch_varlen_attention
 from hybrid_pack.ops.conv.torch_backend import causal_conv1d as torch_causal_conv1d
 from hybrid_pack.ops.dispatch import registry, selector
+from tests import kit
 
-BOUNDARIES = PackedBoundaries.from_lengths([3, 5, 2])
+BOUNDARIES = kit.Layout("three_docs", (3, 5, 2)).boundaries()
 T = BOUNDARIES.total_tokens
-
 
 
 @pytest.fixture(autouse=True)
@@ -26,61 +29,20 @@ def no_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
 
 
-def attention_inputs(**shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    sizes = {"q": (1, T, 4, 8), "k": (1, T, 2, 8), "v": (1, T, 2, 8)} | shapes
-    return {name: torch.randn(*size) for name, size in sizes.items()}
+def attention_inputs(*, requires_grad: bool = False) -> dict[str, Any]:
+    """q ``[1, T, 4, 8]``, k and v ``[1, T, 2, 8]`` in float32, causal."""
+    signature = kit.attention_signature(kv_heads=2, dtype=torch.float32)
+    return kit.op_inputs("attention", signature, BOUNDARIES, requires_grad=requires_grad).arguments
 
 
-def conv_inputs(**shapes: tuple[int, ...] | None) -> dict[str, torch.Tensor | None]:
-    sizes = {"x": (1, T, 6), "weight": (6, 4), "bias": (6,)} | shapes
-    return {name: None if size is None else torch.randn(*size) for name, size in sizes.items()}
-
-
-@pytest.mark.parametrize(("field", "shapes"), [
-    ("q", {"q": (2, T, 4, 8)}),
-    ("q", {"q": (1, T + 1, 4, 8)}),
-    ("q", {"q": (1, T, 32)}),
-    ("k", {"k": (2, T, 2, 8), "v": (2, T, 2, 8)}),
-    ("k", {"k": (1, T - 1, 2, 8), "v": (1, T - 1, 2, 8)}),
-    ("k", {"k": (1, T, 2, 4), "v": (1, T, 2, 4)}),
-    ("k", {"k": (1, T, 3, 8), "v": (1, T, 3, 8)}),
-    ("v", {"v": (1, T, 2, 16)}),
-])
-def test_attention_rejects_bad_shapes_naming_the_field(field: str, shapes: dict) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}: "):
-        varlen_attention(**attention_inputs(**shapes), boundaries=BOUNDARIES)
-
-
-@pytest.mark.parametrize(("field", "shapes", "activation"), [
-    ("x", {"x": (2, T, 6)}, None),
-    ("x", {"x": (1, T + 2, 6)}, None),
-    ("x", {"x": (T, 6)}, None),
-    ("weight", {"weight": (5, 4)}, None),
-    ("weight", {"weight": (6,)}, None),
-    ("bias", {"bias": (4,)}, None),
-    ("bias", {"bias": (1, 6)}, None),
-    ("activation", {}, "relu"),
-])
-def test_conv_rejects_bad_inputs_naming_the_field(field: str, shapes: dict, activation: str | None) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}: "):
-        causal_conv1d(**conv_inputs(**shapes), boundaries=BOUNDARIES, activation=activation)
-
-
-def test_ops_reject_anything_but_packed_boundaries() -> None:
-    with pytest.raises(ValueError, match=r"^boundaries: .*PackedBoundaries"):
-        causal_conv1d(**conv_inputs(), boundaries=BOUNDARIES.cu_seqlens)
-    with pytest.raises(ValueError, match=r"^boundaries: "):
-        varlen_attention(**attention_inputs(), boundaries={"cu_seq_lens_q": BOUNDARIES.cu_seqlens})
-
-
-def test_swish_is_silu() -> None:
-    inputs = conv_inputs()
-    silu = causal_conv1d(**inputs, boundaries=BOUNDARIES, activation="silu")
-    swish = causal_conv1d(**inputs, boundaries=BOUNDARIES, activation="swish")
-    torch.testing.assert_close(silu, swish, rtol=0, atol=0)
+def conv_inputs(width: int = 4) -> dict[str, Any]:
+    """x ``[1, T, 6]``, weight ``[6, width]``, bias ``[6]`` in float32, no activation."""
+    return kit.op_inputs("conv", kit.conv_signature(width=width, dtype=torch.float32), BOUNDARIES,
+                         requires_grad=False).arguments
 
 
 FAKE_KERNEL_CALLS: list[int] = []
+FAKE_ATTENTION_CALLS: list[int] = []
 
 
 def fake_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, boundaries: PackedBoundaries, *,
@@ -88,6 +50,13 @@ def fake_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     """Stands in for a conv kernel: records the width it was called with and returns the torch result."""
     FAKE_KERNEL_CALLS.append(weight.shape[1])
     return torch_causal_conv1d(x, weight, bias, boundaries, activation=activation)
+
+
+def fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
+                   causal: bool, softmax_scale: float) -> torch.Tensor:
+    """Stands in for an attention kernel: records the call and returns the torch result."""
+    FAKE_ATTENTION_CALLS.append(q.shape[1])
+    return torch_varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=softmax_scale)
 
 
 @pytest.fixture
@@ -116,15 +85,25 @@ def fake_conv_backend(torch_only: None, monkeypatch: pytest.MonkeyPatch) -> list
     return FAKE_KERNEL_CALLS
 
 
+@pytest.fixture
+def fake_attention_backend(torch_only: None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Registers, for one test only, an attention backend ranked above torch (self-check off)."""
+    FAKE_ATTENTION_CALLS.clear()
+    monkeypatch.setenv(selector.VERIFY_ENV, "0")
+    register(Backend(op="attention", name="fake_kernel", impl=f"{__name__}:fake_attention",
+                     boundary_arg="cu_seqlens (test)", priority=100, devices=("cpu",)))
+    return FAKE_ATTENTION_CALLS
+
+
 def test_higher_priority_backend_runs_when_it_accepts_the_inputs(fake_conv_backend: list[int]) -> None:
     assert select("conv", device="cpu", dtype=torch.float32) == "fake_kernel"
-    causal_conv1d(**conv_inputs(weight=(6, 4)), boundaries=BOUNDARIES)
+    causal_conv1d(**conv_inputs(width=4), boundaries=BOUNDARIES)
     assert fake_conv_backend == [4]
 
 
 def test_rejected_inputs_fall_back_to_torch_and_log_once(fake_conv_backend: list[int],
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    inputs = conv_inputs(weight=(6, 6))
+    inputs = conv_inputs(width=6)
     with caplog.at_level(logging.WARNING, logger="hybrid_pack.backends"):
         first = causal_conv1d(**inputs, boundaries=BOUNDARIES)
         second = causal_conv1d(**inputs, boundaries=BOUNDARIES)
@@ -132,20 +111,24 @@ def test_rejected_inputs_fall_back_to_torch_and_log_once(fake_conv_backend: list
     skips = [r.getMessage() for r in caplog.records if "fake_kernel" in r.getMessage()]
     assert len(skips) == 1 and "widths up to 4, not 6" in skips[0]
     expected = torch_causal_conv1d(inputs["x"], inputs["weight"], inputs["bias"], BOUNDARIES, activation=None)
-    torch.testing.assert_close(first, expected, rtol=0, atol=0)
-    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
 
 
 def test_forcing_a_backend_that_rejects_the_inputs_raises(fake_conv_backend: list[int]) -> None:
     with pytest.raises(RuntimeError, match="fake_kernel.*widths up to 4, not 6"):
-        causal_conv1d(**conv_inputs(weight=(6, 6)), boundaries=BOUNDARIES, backend="fake_kernel")
+        causal_conv1d(**conv_inputs(width=6), boundaries=BOUNDARIES, backend="fake_kernel")
     with use_backends(conv="torch"):
-        causal_conv1d(**conv_inputs(weight=(6, 4)), boundaries=BOUNDARIES)
+        causal_conv1d(**conv_inputs(width=4), boundaries=BOUNDARIES)
     assert fake_conv_backend == []
 
 
 @pytest.mark.parametrize("how", ["argument", "context", "environment"])
-def test_torch_backends_can_be_forced(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_backends_can_be_forced(how: str, fake_conv_backend: list[int], fake_attention_backend: list[int],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fake kernels ranked above torch, each way of forcing torch keeps them from serving the calls."""
+    varlen_attention(**attention_inputs(), boundaries=BOUNDARIES)
+    assert fake_attention_backend == [T]  # unforced, the fake kernel serves
+    fake_attention_backend.clear()
     attention, conv = attention_inputs(), conv_inputs()
     if how == "argument":
         out_a = varlen_attention(**attention, boundaries=BOUNDARIES, backend="torch")
@@ -158,6 +141,7 @@ def test_torch_backends_can_be_forced(how: str, monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv(ENV_VAR, "attention=torch, conv=torch")
         out_a = varlen_attention(**attention, boundaries=BOUNDARIES)
         out_c = causal_conv1d(**conv, boundaries=BOUNDARIES)
+    assert fake_conv_backend == [] and fake_attention_backend == []
     assert out_a.shape == (1, T, 4, 8) and out_c.shape == (1, T, 6)
 
 
@@ -173,12 +157,11 @@ def test_forced_backend_outranks_a_higher_priority_one(fake_conv_backend: list[i
 def test_unknown_backend_names_raise() -> None:
     with pytest.raises(ValueError, match="'nope' is not a backend of op 'attention'.*torch"):
         varlen_attention(**attention_inputs(), boundaries=BOUNDARIES, backend="nope")
-    with pytest.raises(ValueError, match="^use_backends: .*'nope'"):
-        with use_backends(conv="nope"):
-            pass
-    with pytest.raises(ValueError, match="^use_backends: unknown op 'convolution'"):
-        with use_backends(convolution="torch"):
-            pass
+    with pytest.raises(ValueError, match="^use_backends: .*'nope'"), use_backends(conv="nope"):
+        pass
+    with pytest.raises(ValueError, match="^use_backends: unknown op 'convolution'"), \
+            use_backends(convolution="torch"):
+        pass
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -210,9 +193,8 @@ def test_unusable_backends_say_why(torch_only: None) -> None:
     assert select("attention", device="cpu", dtype=torch.float32, requires_grad=True) == "torch"
     with pytest.raises(RuntimeError, match="missing_pkg.*not installed"):
         varlen_attention(**attention_inputs(), boundaries=BOUNDARIES, backend="missing_pkg")
-    q, k, v = (t.requires_grad_() for t in attention_inputs().values())
     with pytest.raises(RuntimeError, match="no_backward.*has no backward pass"):
-        varlen_attention(q, k, v, BOUNDARIES, backend="no_backward")
+        varlen_attention(**attention_inputs(requires_grad=True), boundaries=BOUNDARIES, backend="no_backward")
     text = report("cpu")
     assert "no: package 'hybrid_pack_no_such_package' is not installed" in text
     assert "no: has no backward pass" in text
@@ -225,4 +207,4 @@ def test_select_and_report_on_cpu(torch_only: None) -> None:
     lines = report("cpu", torch.float32).splitlines()
     assert lines[0].startswith("hybrid_pack backends on cpu, float32")
     chosen = [line.split() for line in lines if "CHOSEN" in line]
-    assert ["attention", "torch"] == chosen[0][:2] and ["conv", "torch"] == chosen[1][:2]
+    assert chosen[0][:2] == ["attention", "torch"] and chosen[1][:2] == ["conv", "torch"]

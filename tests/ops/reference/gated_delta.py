@@ -15,12 +15,12 @@ L2NORM_EPS = 1e-6
 
 def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, boundaries: PackedBoundaries, *, scale: float | None = None,
-                               initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shapes as :func:`hybrid_pack.ops.gated_delta_rule`.
+                               initial_state: torch.Tensor | None = None, output_final_state: bool = True,
+                               use_qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Arguments and shapes as :func:`hybrid_pack.ops.gated_delta_rule`.
 
-    Returns ``(o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V])``, computed in float64 for
-    float64 inputs and float32 otherwise.
+    Returns ``(o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] or None)``, computed in float64
+    for float64 inputs and float32 otherwise.
     """
     dtype = torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
     num_heads, k_dim = q.shape[2], q.shape[3]
@@ -47,4 +47,4 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             outputs.append(scale * (state * q_t[:, :, None]).sum(1))
         if segment < boundaries.num_docs:
             finals.append(state)
-    return torch.stack(outputs).unsqueeze(0).to(v.dtype), torch.stack(finals)
+    return torch.stack(outputs).unsqueeze(0).to(v.dtype), torch.stack(finals) if output_final_state else None

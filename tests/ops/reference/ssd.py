@@ -11,14 +11,17 @@ from hybrid_pack.boundaries import PackedBoundaries
 def mamba2_ssd_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                          boundaries: PackedBoundaries, *, D: torch.Tensor | None = None,
                          z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                         dt_softplus: bool = True,
-                         initial_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         dt_softplus: bool = True, chunk_size: int | None = None,
+                         initial_states: torch.Tensor | None = None, return_final_states: bool = True
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = (h_t C_t + D x_t) * silu(z_t)``, token by token.
 
-    Same shapes as :func:`hybrid_pack.ops.mamba2_ssd`. Computes in float32 (float64 for float64 x).
+    Arguments and shapes as :func:`hybrid_pack.ops.mamba2_ssd` (a recurrence has no chunks: ``chunk_size``
+    is taken and left unused). Computes in float32 (float64 for float64 x).
 
     Returns:
-        ``(y [1, T, H, P] in x's dtype, final_states [num_docs, H, P, N])``.
+        ``(y [1, T, H, P] in x's dtype, final_states [num_docs, H, P, N])``, or ``y`` alone without
+        ``return_final_states``.
     """
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     heads, head_dim = x.shape[2:]
@@ -52,4 +55,5 @@ def mamba2_ssd_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
         y = y + x_f * (D.to(cdtype) if D.dim() == 2 else D.to(cdtype)[:, None])
     if z is not None:
         y = y * F.silu(z[0].to(cdtype))
-    return y.to(x.dtype).unsqueeze(0), torch.stack(finals)
+    y = y.to(x.dtype).unsqueeze(0)
+    return (y, torch.stack(finals)) if return_final_states else y

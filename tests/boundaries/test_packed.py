@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_pack import PackedBoundaries
+from hybrid_pack.testing import Layout
 
 
 def test_from_lengths_builds_every_form():
@@ -31,7 +32,10 @@ def test_padding_segment_is_last_and_not_a_document():
 def test_every_constructor_agrees(lengths, pad):
     num_pad = lengths[-1] if pad else 0
     b = PackedBoundaries.from_lengths(lengths, num_pad_tokens=num_pad)
-    for other in (PackedBoundaries.from_cu_seqlens(b.cu_seqlens, num_pad_tokens=num_pad),
+    documents = lengths[:-1] if pad else lengths
+    for other in (PackedBoundaries.from_document_lengths(documents, num_pad_tokens=num_pad),
+                  Layout("drawn", tuple(documents), num_pad_tokens=num_pad).boundaries(),
+                  PackedBoundaries.from_cu_seqlens(b.cu_seqlens, num_pad_tokens=num_pad),
                   PackedBoundaries.from_seq_idx(b.seq_idx, num_pad_tokens=num_pad),
                   PackedBoundaries.from_position_ids(b.position_ids, num_pad_tokens=num_pad),
                   PackedBoundaries.from_batch({**b.hf_kwargs(), "num_pad_tokens": num_pad})):

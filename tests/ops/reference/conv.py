@@ -18,7 +18,7 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     width = weight.shape[1]
     tokens, w64 = x[0].double().unbind(0), weight.double()
     rows = []
-    for doc_start, doc_end in zip(boundaries.starts, boundaries.starts[1:] + [boundaries.total_tokens]):
+    for doc_start, doc_end in zip(boundaries.starts, [*boundaries.starts[1:], boundaries.total_tokens]):
         for t in range(doc_start, doc_end):
             acc = bias.double() if bias is not None else w64.new_zeros(w64.shape[0])
             for i in range(width):
