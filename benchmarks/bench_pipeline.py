@@ -27,6 +27,7 @@ Writes ``benchmarks/results/pipeline.json`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -179,10 +180,8 @@ class MemorySampler(threading.Thread):
         while not self.done.is_set():
             workers = 0
             for child in main.children(recursive=True):
-                try:
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # the worker has exited
                     workers += _proc_kib(child.pid, "smaps_rollup", "Private_Dirty")
-                except (FileNotFoundError, ProcessLookupError):
-                    pass
             anon = _proc_kib(main.pid, "status", "RssAnon")
             self.peak_main_anon = max(self.peak_main_anon, anon)
             self.peak_main_file = max(self.peak_main_file, _proc_kib(main.pid, "status", "RssFile"))
@@ -253,34 +252,36 @@ def bench_tokenize(sizes: list[int], num_procs: list[int], capacity: int) -> dic
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = ["| streaming (BFD, buffer, capacity) | overflow | efficiency | offline plan | packs / lower bound | examples/s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| streaming (BFD, buffer, capacity) | overflow | efficiency | offline plan | packs / lower bound "
+             "| examples/s |", "|---|---|---|---|---|---|"]
     for r in results["streaming"]:
         lines.append(f"| {r['examples']:,} arena lengths, {r['buffer_size']:,}, {r['capacity']} | {r['overflow']} | "
-                     f"{r['efficiency']:.4%} | {r['offline_efficiency']:.4%} | {r['packs']:,} / {r['lower_bound_packs']:,} "
-                     f"| {r['examples_per_second']:,.0f} |")
-    lines += ["", ("| balance, 8 ranks | capacity | packs/step | steps | max rank / mean (epoch) | slowest / mean (per step) "
-              "| naive (epoch / step) |"), "|---|---|---|---|---|---|---|"]
+                     f"{r['efficiency']:.4%} | {r['offline_efficiency']:.4%} | "
+                     f"{r['packs']:,} / {r['lower_bound_packs']:,} | {r['examples_per_second']:,.0f} |")
+    lines += ["", ("| balance, 8 ranks | capacity | packs/step | steps | max rank / mean (epoch) "
+                   "| slowest / mean (per step) | naive (epoch / step) |"), "|---|---|---|---|---|---|---|"]
     for r in results["balance"]:
-        lines.append(f"| {r['dataset']} ({r['examples']:,}) | {r['capacity']} | {r['packs_per_step']} | {r['steps']:,} | "
-                     f"{r['epoch_max_over_mean']:.4f} | {r['step_max_over_mean']:.4f} | "
+        lines.append(f"| {r['dataset']} ({r['examples']:,}) | {r['capacity']} | {r['packs_per_step']} | "
+                     f"{r['steps']:,} | {r['epoch_max_over_mean']:.4f} | {r['step_max_over_mean']:.4f} | "
                      f"{r['naive_epoch_max_over_mean']:.4f} / {r['naive_step_max_over_mean']:.4f} |")
     lines += ["", "| pack_rollouts | rollouts | capacity | packs | efficiency | decision median (p90) | full build |",
               "|---|---|---|---|---|---|---|"]
     for r in results["rollouts"]:
-        lines.append(f"| {r['lengths']} | {r['rollouts']:,} | {r['capacity']} | {r['packs']} | {r['efficiency']:.2%} | "
-                     f"{r['decision_ms_median']:.2f} ms ({r['decision_ms_p90']:.2f} ms) | {r['build_seconds_median']:.2f} s |")
+        lines.append(f"| {r['lengths']} | {r['rollouts']:,} | {r['capacity']} | {r['packs']} | "
+                     f"{r['efficiency']:.2%} | {r['decision_ms_median']:.2f} ms ({r['decision_ms_p90']:.2f} ms) | "
+                     f"{r['build_seconds_median']:.2f} s |")
     t = results["tokenize"]
     lines += ["", ("| tokenize_and_plan (Qwen3) | examples | tokens | time | main anon: before / peak | "
-              "peak anon, main + workers | main file-backed (mmap) |"), "|---|---|---|---|---|---|---|"]
+                   "peak anon, main + workers | main file-backed (mmap) |"), "|---|---|---|---|---|---|---|"]
     for r in t["runs"]:
         lines.append(f"| num_proc={r['num_proc']} | {r['examples']:,} | {r['tokens']:,} | {r['seconds']:.1f} s | "
-                     f"{r['anon_before_mib']:.0f} / {r['peak_main_anon_mib']:.0f} MiB | {r['peak_total_anon_mib']:.0f} MiB | "
-                     f"{r['peak_main_file_mib']:.0f} MiB |")
+                     f"{r['anon_before_mib']:.0f} / {r['peak_main_anon_mib']:.0f} MiB | "
+                     f"{r['peak_total_anon_mib']:.0f} MiB | {r['peak_main_file_mib']:.0f} MiB |")
     for m in t["per_million"]:
         lines.append(f"| num_proc={m['num_proc']}, per million | 1,000,000 | | {m['seconds_per_million']:.0f} s "
-                     f"({m['tokens_per_second']:,.0f} tokens/s) | main {m['main_anon_growth_mib_per_million']:+.0f} MiB "
-                     f"per million | {m['estimated_peak_anon_mib_at_million']:.0f} MiB (estimate) | |")
+                     f"({m['tokens_per_second']:,.0f} tokens/s) | "
+                     f"main {m['main_anon_growth_mib_per_million']:+.0f} MiB per million | "
+                     f"{m['estimated_peak_anon_mib_at_million']:.0f} MiB (estimate) | |")
     return "\n".join(lines)
 
 
@@ -299,7 +300,8 @@ def main() -> None:
         make_synthetic_dataset(args.make_dataset[0], int(args.make_dataset[1]), seed=0)
         return
     if args.tokenize_child:
-        print(json.dumps(run_tokenize(args.tokenize_child[0], int(args.tokenize_child[1]), int(args.tokenize_child[2]))))
+        path, num_proc, capacity = args.tokenize_child
+        print(json.dumps(run_tokenize(path, int(num_proc), int(capacity))))
         return
 
     scale = 10 if args.quick else 1

@@ -120,7 +120,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     for decision in metrics.get("backends", []):
         if decision["requires_grad"]:
             passed_over = "; ".join(f"{name}: {why[:70]}" for name, why in decision["skipped"][:2])
-            table.add_row(f"{decision['op']} runs on", decision["backend"] + (f" ({passed_over})" if passed_over else ""))
+            why = f" ({passed_over})" if passed_over else ""
+            table.add_row(f"{decision['op']} runs on", decision["backend"] + why)
     if "guard" in metrics:
         guard = metrics["guard"]
         table.add_row(f"runtime guard (every {guard['every']} packed calls)",

@@ -87,11 +87,11 @@ class TimeNorm(nn.Module):
 
 class _MixGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad + 0.1 * torch.roll(grad, 1, dims=1)
 
 

@@ -47,7 +47,7 @@ def test_two_process_torchrun_sees_every_example_once(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_process_hf_trainer_gets_each_ranks_steps_and_resumes_exactly(tmp_path):
-    """The PackedTrainer of docs/distributed.md: rank r trains on rank r's steps, and a mid-epoch resume continues them."""
+    """The PackedTrainer of docs/distributed.md: rank r trains on rank r's steps; a mid-epoch resume continues them."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     out = tmp_path / "run"

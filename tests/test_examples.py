@@ -1,7 +1,6 @@
 """The examples run and do what they say."""
 
-import runpy
-import sys
+import math
 from pathlib import Path
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -16,9 +15,15 @@ def test_hf_trainer_example_trains_packed(tmp_path, monkeypatch):
     assert result["losses"][-1] < result["losses"][0]
 
 
-def test_rl_tool_masks_example_runs(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["rl_tool_masks.py"])
-    try:
-        runpy.run_path(str(EXAMPLES / "rl_tool_masks.py"), run_name="__main__")
-    except SystemExit as err:
-        assert not err.code, f"example exited with {err.code}"
+def test_rl_tool_masks_example_masks_tool_outputs_and_trains_policy_tokens(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from rl_tool_masks import main
+
+    summary = main(["--max-packs", "2"])
+    assert summary["packs"] >= 2 and 0 < summary["masked_tokens"] < summary["response_tokens"]
+    assert len(summary["steps"]) == 2
+    for step in summary["steps"]:
+        assert step["leaked_gradient"] == 0.0  # no logit predicting a prompt or tool token gets gradient
+        assert step["policy_gradient"] > 0.0  # the policy's own tokens do
+        assert step["rollouts"] > 1 and step["tokens"] <= 16384 and math.isfinite(step["loss"])
+    assert "<tool_response>" in summary["masked_tool_output"]

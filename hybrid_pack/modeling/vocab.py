@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hybrid_pack.errors import InputError
+from hybrid_pack.schema import INPUT_IDS, LABELS
 
 __all__ = ["VocabRemap", "UNK_ID"]
 
@@ -82,7 +83,7 @@ class VocabRemap:
         out = np.where(arr < 0, arr, table[np.clip(arr, 0, None)])
         return _like(ids, out)
 
-    def encode_example(self, example: Mapping[str, Any], keys: Sequence[str] = ("input_ids", "labels")
+    def encode_example(self, example: Mapping[str, Any], keys: Sequence[str] = (INPUT_IDS, LABELS)
                        ) -> dict[str, Any]:
         """A copy of a dataset example with the token keys that are present remapped."""
         return {k: self.encode(v) if k in keys else v for k, v in example.items()}

@@ -40,20 +40,13 @@ def _logits(output: Any) -> torch.Tensor:
     raise InputError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
 
 
-def _batch_kwargs(boundaries: PackedBoundaries) -> dict[str, Any]:
-    kwargs = boundaries.hf_kwargs()
-    if boundaries.num_pad_tokens:
-        kwargs["num_pad_tokens"] = boundaries.num_pad_tokens
-    return kwargs
-
-
 def _run(model: torch.nn.Module, boundaries: PackedBoundaries, *, ids: torch.Tensor | None = None,
          embeds: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[T, V]`` of one packed row given as token ids ``[T]`` or embeddings ``[T, E]``."""
     if embeds is not None:
-        out = model(inputs_embeds=embeds.unsqueeze(0), **_batch_kwargs(boundaries))
+        out = model(inputs_embeds=embeds.unsqueeze(0), **boundaries.batch_kwargs())
     else:
-        out = model(input_ids=ids.unsqueeze(0), **_batch_kwargs(boundaries))
+        out = model(input_ids=ids.unsqueeze(0), **boundaries.batch_kwargs())
     return _logits(out)[0]
 
 

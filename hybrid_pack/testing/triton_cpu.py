@@ -2,8 +2,8 @@
 
 For tests only (the real-kernel tier, ``tests/kernels``). ``TRITON_INTERPRET=1`` (set before
 ``fla`` / ``mamba_ssm`` are imported) makes ``@triton.jit`` kernels run as numpy on the host, so CI
-without a GPU can check the adapters against the real kernels. Four gaps stay between those packages and a CPU-only torch build;
-:func:`enable_cpu_interpreter` closes each one, and only that:
+without a GPU can check the adapters against the real kernels. Four gaps stay between those packages
+and a CPU-only torch build; :func:`enable_cpu_interpreter` closes each one, and only that:
 
 1. **Autotuning needs a GPU driver.** ``Autotuner`` times every config with the active driver's
    benchmarker, and there is no driver on CPU. Here every config reports the same time, so the

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.backends import decisions
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from hybrid_pack import PackedBoundaries
+from hybrid_pack.bench.layouts import real_size_layout
 from hybrid_pack.ops.dispatch.contract import Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, reference_of
 from hybrid_pack.ops.dispatch.selfcheck import run_check
-from hybrid_pack.bench.layouts import real_size_layout
 
 F32 = torch.float32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -16,13 +16,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hybrid_pack import PackingCollator  # noqa: E402
-from hybrid_pack.boundaries import PackedBoundaries  # noqa: E402
-from hybrid_pack.errors import BoundaryError  # noqa: E402
-from hybrid_pack.integrations.transformers import packed_row, patch_model  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model  # noqa: E402
-from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX  # noqa: E402
-from hybrid_pack.testing import check_isolation, check_training_step  # noqa: E402
+from hybrid_pack import PackingCollator
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import BoundaryError
+from hybrid_pack.integrations.transformers import packed_row, patch_model
+from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model
+from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX
+from hybrid_pack.testing import check_isolation, check_training_step
 
 FAMILIES = ["qwen3_next", "bamba", "jamba"]
 LENGTHS = [5, 19, 1, 7]          # a one-token document, one longer than the chunk size (16)

@@ -17,16 +17,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hybrid_pack.boundaries import PackedBoundaries  # noqa: E402
-from hybrid_pack.integrations.transformers import patch_model  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import (  # noqa: E402
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.integrations.transformers.tiny import (
     CHUNK,
     TINY_CONFIGS,
     VOCAB,
     pure_torch_transformers,
     tiny_model,
 )
-from hybrid_pack.testing import check_isolation  # noqa: E402
+from hybrid_pack.testing import check_isolation
 
 FAMILIES = sorted(TINY_CONFIGS)
 # One-token documents, one longer than the chunk size (16), conv-width edges, a trailing padding segment.

@@ -53,9 +53,9 @@ def _texts() -> Dataset:
 
 
 def _config(out: Path, **overrides: Any) -> Any:
-    settings = dict(output_dir=str(out), per_device_train_batch_size=2, max_length=32, packing=True, max_steps=1,
-                    learning_rate=1e-3, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                    disable_tqdm=True, logging_steps=1, dataset_num_proc=None)
+    settings = {"output_dir": str(out), "per_device_train_batch_size": 2, "max_length": 32, "packing": True,
+                "max_steps": 1, "learning_rate": 1e-3, "use_cpu": True, "bf16": False, "report_to": [],
+                "save_strategy": "no", "disable_tqdm": True, "logging_steps": 1, "dataset_num_proc": None}
     return trl.SFTConfig(**{**settings, **overrides})
 
 
@@ -210,7 +210,7 @@ def test_extra_token_columns_survive_trl_column_handling(tmp_path: Path) -> None
 
 
 def test_packed_sft_trainer_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
-    arguments = dict(model=tiny_model("bamba"), train_dataset=_texts(), processing_class=tiny_tokenizer())
+    arguments = {"model": tiny_model("bamba"), "train_dataset": _texts(), "processing_class": tiny_tokenizer()}
     with pytest.raises(InputError, match="data_collator: PackedSFTTrainer collates with hybrid_pack.PackingCollator"):
         PackedSFTTrainer(args=_config(tmp_path), data_collator=lambda rows: rows, **arguments)
     with pytest.raises(InputError, match="capacity: .*set packing=False"):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
-
 from hybrid_pack import plan_packs
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.hf_datasets import tokenize_and_plan
+
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps"]
 

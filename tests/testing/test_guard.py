@@ -114,9 +114,9 @@ def test_a_leak_that_starts_later_is_caught_at_the_first_check_after_it(preset):
 
 def test_localize_names_the_leaking_mixer(model):
     leak = LeakAfter(model.model.layers[2].mixer, after=0)
+    model.train()
     try:
         with PackingGuard(model, every=1, localize=True) as guard, pytest.raises(IsolationError) as info:
-            model.train()
             model(**_batch())
     finally:
         leak.remove()

@@ -54,7 +54,7 @@ def _params(path):
 
 
 def test_resume_after_a_stop_reaches_the_same_parameters(tmp_path, monkeypatch):
-    cfg = dict(max_examples=60, capacity=1024, max_steps=4, checkpoint_every=2, progress=False, lr=1e-2)
+    cfg = {"max_examples": 60, "capacity": 1024, "max_steps": 4, "checkpoint_every": 2, "progress": False, "lr": 1e-2}
     full = train(TrainConfig(out=str(tmp_path / "full"), **cfg))
 
     save = checkpoint_module.save_checkpoint
@@ -98,12 +98,23 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert info.value.code == 2
 
 
-def test_user_jsonl_chats(tmp_path):
+def test_user_jsonl_chats_are_what_trains(tmp_path):
+    from hybrid_pack.training.data import build_features, load_chats
+    from hybrid_pack.training.trainer import build_model
+
     data = tmp_path / "chats.jsonl"
-    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    data.write_text("\n".join(json.dumps(chat) for _ in range(6)))
-    metrics = train(TrainConfig(out=str(tmp_path / "run"), data=str(data), capacity=256, progress=False))
-    assert metrics["examples"] == 6 and metrics["steps"] >= 1
+    chats = [{"messages": [{"role": "user", "content": f"{n}+{n}?"}, {"role": "assistant", "content": str(2 * n)}]}
+             for n in range(6)]
+    data.write_text("\n".join(json.dumps(chat) for chat in chats))
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(data), capacity=256, max_steps=1, lr=0.0, progress=False)
+    metrics = train(cfg)
+    first_pack = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["groups"][0]
+
+    model = build_model(cfg).train()
+    features, _ = build_features(load_chats(str(data), None), model.config.vocab_size, max_length=256)
+    assert metrics["examples"] == 6 and metrics["real_tokens"] == sum(len(features[i]["input_ids"]) for i in first_pack)
+    batch = PackingCollator()([features[i] for i in first_pack])
+    assert metrics["losses"][0] == pytest.approx(float(model(**batch).loss), rel=1e-5)  # the file's chats, not GSM8K
 
 
 @pytest.mark.distributed

@@ -1,9 +1,9 @@
 """One rank of the Hugging Face Trainer check in tests/test_distributed.py (launched with torch.distributed.run).
 
 Trains a token-local model for two epochs with ``hybrid_pack.integrations.transformers.trainer.PackedTrainer``
-(``PackedBatchSampler(rank=None)`` under accelerate's ``BatchSamplerShard``, plus the epoch callback), recording the example indices of every batch this rank receives; with a checkpoint
-path it resumes from there. Writes ``{"lengths", "capacity", "seed", "seen"}`` to
-``<out>.<full|resumed>.rank<r>.json``.
+(``PackedBatchSampler(rank=None)`` under accelerate's ``BatchSamplerShard``, plus the epoch callback),
+recording the example indices of every batch this rank receives; with a checkpoint path it resumes from there.
+Writes ``{"lengths", "capacity", "seed", "seen"}`` to ``<out>.<full|resumed>.rank<r>.json``.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/hf_trainer.py OUT [CHECKPOINT]
 """

@@ -9,10 +9,11 @@ from hybrid_pack.ops.conv.kernel_causal_conv1d import conv_accepts
 from hybrid_pack.ops.dispatch.backend import FLOAT_DTYPES, KERNEL_DTYPES
 from hybrid_pack.ops.dispatch.registry import register, register_op
 from hybrid_pack.ops.triton_device import triton_device_reason
+from hybrid_pack.schema import SEQ_IDX
 
 register_op(CONTRACT)
 register(OP, "causal_conv1d", "hybrid_pack.ops.conv.kernel_causal_conv1d:causal_conv1d", priority=30,
-         boundary_arg="seq_idx", requires=("causal_conv1d", "causal_conv1d_cuda"), accepts=conv_accepts,
+         boundary_arg=SEQ_IDX, requires=("causal_conv1d", "causal_conv1d_cuda"), accepts=conv_accepts,
          limits="width not in 2-4; channels not a multiple of 8")
 register(OP, "fla", "hybrid_pack.ops.conv.kernel_fla:causal_conv1d", priority=20, devices=("cpu", "cuda"),
          dtypes=KERNEL_DTYPES, boundary_arg="cu_seqlens", requires=("fla", "triton"),
