@@ -116,7 +116,7 @@ def bench_conv(boundaries: PackedBoundaries, channels: int, width: int, repeats:
     with torch.no_grad():
         expected = packed(**inputs)
     return {
-        "per-token reference (tests/reference/conv.py, float64)": time_fwd_bwd(reference, inputs, reference_repeats,
+        "per-token reference (tests/ops/reference/conv.py, float64)": time_fwd_bwd(reference, inputs, reference_repeats,
                                                                               expected),
         "one F.conv1d per document": time_fwd_bwd(per_document, inputs, repeats, expected),
         "hybrid_pack causal_conv1d(backend='torch')": time_fwd_bwd(packed, inputs, repeats, expected),
@@ -124,7 +124,7 @@ def bench_conv(boundaries: PackedBoundaries, channels: int, width: int, repeats:
 
 
 ATTENTION_BASELINE = "dense [T, T] mask, one SDPA call"
-CONV_BASELINE = "per-token reference (tests/reference/conv.py, float64)"
+CONV_BASELINE = "per-token reference (tests/ops/reference/conv.py, float64)"
 
 
 def table(title: str, tokens: int, rows: dict[str, float], baseline: str) -> str:

@@ -98,7 +98,7 @@ def main() -> None:
     weight = torch.randn_like(inputs["v"])
     candidates = {"reference": gated_delta_rule_reference, "public_op": public_op,
                   **{f"chunk_{c}": chunked(c, args.dim ** -0.5) for c in args.chunk_sizes}}
-    labels = {"reference": "per-token reference (tests/reference)",
+    labels = {"reference": "per-token reference (tests/ops/reference)",
               "public_op": f"ops.gated_delta_rule(backend='torch'), C={torch_backend.CHUNK_SIZE}",
               **{f"chunk_{c}": f"torch backend, C={c}" for c in args.chunk_sizes}}
 

@@ -1,4 +1,4 @@
-"""The runtime guard (SPEC §7a): check the real model on the real packed batch while it trains.
+"""The runtime guard (docs/api.md §7a): check the real model on the real packed batch while it trains.
 
 The harness (:mod:`hybrid_pack.testing.isolation`) proves a model isolated before training, on
 random tokens. The guard watches training itself. Attached to a model, it sees every packed call
@@ -101,7 +101,7 @@ class PackingGuard:
     """Check, while a model trains, that its packed calls never let one document see another.
 
     Args:
-        model: takes the SPEC §3 batch (``input_ids`` plus boundary keys) or ``boundaries=`` and returns
+        model: takes the docs/api.md §3 batch (``input_ids`` plus boundary keys) or ``boundaries=`` and returns
             logits (a tensor, or an object with ``.logits``); Hugging Face models, patched or not.
         every: check the first packed training call and every ``every``-th after it (each micro-batch is a call).
         documents: documents checked per call (>= 2): the shortest and the longest always, then random ones.
@@ -209,7 +209,7 @@ class PackingGuard:
         """Check one packed call now.
 
         Args:
-            batch: the SPEC §3 dict given to the model (``input_ids`` ``[1, T]`` and boundary keys, or
+            batch: the docs/api.md §3 dict given to the model (``input_ids`` ``[1, T]`` and boundary keys, or
                 ``boundaries=``; other keys such as ``labels`` are passed on as given).
             logits: the output's logits ``[1, T, V]`` (any float dtype). None: the guard runs the packed
                 batch itself (eval mode, no gradient) and compares against that.

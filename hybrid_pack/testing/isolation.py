@@ -1,6 +1,6 @@
 """The cross-contamination harness: does any document of a packed row see another one?
 
-For each layout, three checks run on the model as a black box that takes the SPEC §3 batch and
+For each layout, three checks run on the model as a black box that takes the docs/api.md §3 batch and
 returns logits:
 
 * packed against alone: each document's logits in the packed row equal its logits run by itself;
@@ -255,7 +255,7 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     do not apply.
 
     Args:
-        model: takes the SPEC §3 batch (``input_ids`` or ``inputs_embeds`` plus boundary keys) and returns
+        model: takes the docs/api.md §3 batch (``input_ids`` or ``inputs_embeds`` plus boundary keys) and returns
             logits (a tensor, or an object with ``.logits``). Run in eval mode; its mode is restored. Or a
             ``transformers.Trainer``.
         batch: a real packed batch to run through the model (or the trainer) instead of random layouts.

@@ -1,4 +1,4 @@
-"""Unit tests for plan_packs / PackPlan / packing_report (SPEC §2)."""
+"""Unit tests for plan_packs / PackPlan / packing_report (docs/api.md §2)."""
 
 from __future__ import annotations
 

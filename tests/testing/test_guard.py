@@ -1,4 +1,4 @@
-"""The runtime guard (SPEC §7a): which calls it checks, what it compares, what it leaves as it was."""
+"""The runtime guard (docs/api.md §7a): which calls it checks, what it compares, what it leaves as it was."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS, POSITION_IDS
 from hybrid_pack.testing import GuardRecord, IsolationWarning, PackingGuard
-from tests.leaky_zoo import Attention, CausalConv, ToyLM
+from tests.testing.leaky_zoo import Attention, CausalConv, ToyLM
 from tests.testing.late_leak import LeakAfter
 
 LENGTHS = [7, 1, 33, 64, 65, 5]

@@ -1,4 +1,4 @@
-"""One rank of the two-process check in tests/test_distributed.py (launched with torch.distributed.run).
+"""One rank of the two-process check in tests/training/test_distributed.py (launched with torch.distributed.run).
 
 Every rank feeds a DDP model from ``DataLoader(batch_sampler=PackedBatchSampler(...),
 collate_fn=PackingCollator())`` for two epochs, recovers the example indices from the collated

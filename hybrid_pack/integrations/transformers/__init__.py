@@ -108,7 +108,7 @@ def _use_packed_attention(model: torch.nn.Module) -> None:
 def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Make a Hugging Face hybrid causal LM keep the documents of a packed batch apart, on any device.
 
-    After patching, a SPEC §3 batch (``input_ids [1, T]`` plus ``cu_seq_lens_q/k``, ``max_length_q/k``,
+    After patching, a docs/api.md §3 batch (``input_ids [1, T]`` plus ``cu_seq_lens_q/k``, ``max_length_q/k``,
     ``seq_idx``, ``position_ids``, optional ``num_pad_tokens``; or restarting ``position_ids`` alone) runs
     every mixer and attention layer through :mod:`hybrid_pack.ops`, so no document sees another one,
     forward or backward, whether it enters through ``model(**batch)``, the backbone

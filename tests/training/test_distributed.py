@@ -13,8 +13,8 @@ import pytest
 
 from hybrid_pack.packing import PackedBatchSampler
 
-WORKER = Path(__file__).parent / "workers" / "dist_sampler.py"
-TRAINER_WORKER = Path(__file__).parent / "workers" / "hf_trainer.py"
+WORKER = Path(__file__).parents[1] / "workers" / "dist_sampler.py"
+TRAINER_WORKER = Path(__file__).parents[1] / "workers" / "hf_trainer.py"
 
 
 def _torchrun(script: Path, *args: str) -> None:

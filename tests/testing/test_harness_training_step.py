@@ -16,7 +16,7 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.loss import packed_loss, token_logprobs
 from hybrid_pack.schema import INPUT_IDS, LABELS
 from hybrid_pack.testing import check_isolation, check_training_step
-from tests.leaky_zoo import LEAKY, ToyLM, clean_mixers
+from tests.testing.leaky_zoo import LEAKY, ToyLM, clean_mixers
 
 DIM = 16
 LENGTHS = [5, 9, 1, 17, 3]

@@ -1,5 +1,5 @@
 """A zoo of token mixers, each either boundary-safe or leaking in one deliberate way, inside a toy LM
-that takes the SPEC §3 batch. The harness must flag every leaky one and name its module."""
+that takes the docs/api.md §3 batch. The harness must flag every leaky one and name its module."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybrid_pack.testing import IsolationError, adversarial_layouts, assert_isolated, check_isolation
-from tests.leaky_zoo import LEAKY, ToyLM, clean_mixers
+from tests.testing.leaky_zoo import LEAKY, ToyLM, clean_mixers
 
 DIM = 16
 
