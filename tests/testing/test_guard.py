@@ -15,8 +15,8 @@ from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS, POSITION_IDS
 from hybrid_pack.testing import GuardRecord, IsolationWarning, PackingGuard
-from tests.testing.leaky_zoo import Attention, CausalConv, ToyLM
 from tests.testing.late_leak import LeakAfter
+from tests.testing.leaky_zoo import Attention, CausalConv, ToyLM
 
 LENGTHS = [7, 1, 33, 64, 65, 5]
 

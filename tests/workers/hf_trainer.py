@@ -1,4 +1,4 @@
-"""One rank of the Hugging Face Trainer check in tests/training/test_distributed.py (launched with torch.distributed.run).
+"""One rank of the Hugging Face Trainer check in tests/training/test_distributed.py (run by torch.distributed.run).
 
 Trains a token-local model for two epochs with ``hybrid_pack.integrations.transformers.trainer.PackedTrainer``
 (``PackedBatchSampler(rank=None)`` under accelerate's ``BatchSamplerShard``, plus the epoch callback),
