@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_arguments(demo, demo=True)
     train = sub.add_parser("train", help="packed supervised fine-tuning")
     _add_train_arguments(train, demo=False)
-    check = sub.add_parser("check", help="run the cross-contamination harness on a model")
-    check.add_argument("model", help="a preset name, a Hugging Face config directory, or hf:<family> (tiny random)")
+    check = sub.add_parser("check", help="run the cross-contamination harness on a model or a trainer")
+    check.add_argument("model", nargs="?", default=None,
+                       help="a preset name, a Hugging Face config directory, or hf:<family> (tiny random)")
+    check.add_argument("--trainer", default=None, metavar="FILE.py:FUNCTION",
+                       help="check the training step of the trainer this function returns (a transformers or TRL "
+                            "Trainer), on its first training batch; also MODULE:FUNCTION")
     check.add_argument("--backend", action="append", default=[],
                        help="force backends: 'torch' (every op) or op=name, repeatable (conv=torch)")
     check.add_argument("--lengths", default=None, help="comma-separated document lengths (default: adversarial set)")
@@ -198,19 +202,49 @@ def _model_for_check(name: str, *, patch: bool) -> Any:
     return model
 
 
+def _load_factory(spec: str) -> Callable[[], Any]:
+    """The function named by ``FILE.py:FUNCTION`` or ``MODULE:FUNCTION``."""
+    import importlib
+    import importlib.util
+
+    from hybrid_pack.errors import InputError
+
+    location, sep, name = spec.rpartition(":")
+    if not sep or not name:
+        raise InputError(f"--trainer: expected FILE.py:FUNCTION or MODULE:FUNCTION; got {spec!r}")
+    if location.endswith(".py"):
+        if not Path(location).is_file():
+            raise InputError(f"--trainer: no file {location!r}")
+        module_spec = importlib.util.spec_from_file_location(Path(location).stem, location)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(location)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise InputError(f"--trainer: {location!r} has no function {name!r}")
+    return factory
+
+
 def _run_check(args: argparse.Namespace) -> int:
     import torch
 
     from hybrid_pack.backends import use_backends
+    from hybrid_pack.errors import InputError
     from hybrid_pack.testing import check_isolation
 
+    if (args.model is None) == (args.trainer is None):
+        raise InputError("check: give a MODEL or --trainer FILE.py:FUNCTION (one of them)")
     forced = _forced_backends(args.backend)
-    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _model_for_check(args.model, patch=not args.no_patch).to(device=device, dtype=getattr(torch, args.dtype))
     with use_backends(**forced):
-        report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed)
-    report.model = args.model
+        if args.trainer:
+            report = check_isolation(_load_factory(args.trainer)(), grads=not args.no_grads, seed=args.seed)
+        else:
+            lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = _model_for_check(args.model, patch=not args.no_patch).to(device, getattr(torch, args.dtype))
+            report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed)
+    report.model = args.model or args.trainer
     print(report)
     if args.json:
         Path(args.json).write_text(report.to_json(indent=1))

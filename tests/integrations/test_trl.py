@@ -26,6 +26,7 @@ peft = pytest.importorskip("peft", reason="PEFT is not installed (pip install 'h
 from datasets import Dataset  # noqa: E402
 
 from hybrid_pack import PackingCollator  # noqa: E402
+from hybrid_pack.cli import main as cli_main  # noqa: E402
 from hybrid_pack.errors import InputError  # noqa: E402
 from hybrid_pack.integrations.transformers import is_patched, patch_model  # noqa: E402
 from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model, tiny_tokenizer  # noqa: E402
@@ -272,3 +273,28 @@ def test_docs_measurement_prints_the_table(tmp_path: Path, monkeypatch: pytest.M
     for line in (lines[1], lines[3]):
         packed, padded = (float(x) for x in re.findall(r"loss (\d\.\d+)", line))
         assert abs(packed - padded) < 1e-5, line
+
+
+def test_cli_check_runs_on_a_trainer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hybrid-pack check --trainer FILE.py:FUNCTION``: the harness on the trainer the function builds."""
+    script = tmp_path / "make_trainer.py"
+    script.write_text(
+        "import trl\n"
+        "from datasets import Dataset\n"
+        "from hybrid_pack.integrations.transformers import patch_model\n"
+        "from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer\n\n"
+        "def build(patched):\n"
+        "    model = tiny_model('jamba').train()\n"
+        "    if patched:\n"
+        "        patch_model(model)\n"
+        f"    texts = Dataset.from_dict({{'text': {list(_texts()['text'])!r}}})\n"
+        f"    args = trl.SFTConfig(output_dir={str(tmp_path / 'out')!r}, per_device_train_batch_size=2, max_length=32,"
+        " packing=True, max_steps=1, use_cpu=True, bf16=False, report_to=[], dataset_num_proc=None)\n"
+        "    return trl.SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tiny_tokenizer())\n\n"
+        "def patched():\n    return build(True)\n\n"
+        "def unpatched():\n    return build(False)\n")
+    assert cli_main(["check", "--trainer", f"{script}:patched"]) == 0
+    assert "ISOLATED" in capsys.readouterr().out
+    assert cli_main(["check", "--trainer", f"{script}:unpatched"]) == 1
+    assert "LEAK" in capsys.readouterr().out
+    assert cli_main(["check", "--trainer", f"{script}:missing"]) == 2
