@@ -9,6 +9,8 @@ two proofs every op owes.
   the backends' self-check draws from), for a signature named with the ``*_signature`` helpers here.
 * :func:`assert_packed_equals_segments_alone` and :func:`assert_no_gradient_crosses_segments` prove,
   forward and backward, that a packed row never mixes its documents.
+* :func:`with_defect` plants one defect into an op's function, for the tests that prove these checks
+  (and the backends' self-check) catch it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "attention_signature", "conv_signature", "gated_delta_signature", "ssd_signature",
     "op_inputs", "segment_spans", "segment_arguments", "run", "projection", "gradients", "forward_backward",
     "assert_packed_equals_segments_alone", "assert_no_gradient_crosses_segments",
+    "DEFECTS", "with_defect",
 ]
 
 OpFn = Callable[..., Any]
@@ -310,3 +313,66 @@ def assert_no_gradient_crosses_segments(op: str, fn: OpFn, case: CheckCase, boun
             assert torch.count_nonzero(grad[~own]) == 0, f"d{name}: segment {segment} reaches other documents"
             assert segment >= boundaries.num_docs or torch.count_nonzero(grad[own]) > 0, (
                 f"d{name}: zero on document {segment}'s own initial state")
+
+
+# ---------------------------------------------------------------- planted defects
+class _GradientLeak(torch.autograd.Function):
+    """Identity forward; backward hands each token a little of the next token's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad + 1e-3 * grad.roll(-1, dims=1)
+
+
+class _BackwardRaises(torch.autograd.Function):
+    """Identity forward; backward raises."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("planted backward failure")
+
+
+def _on_token_outputs(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to the per-token outputs ``[1, T, ...]`` of an op's result (final states untouched)."""
+    if isinstance(result, tuple):
+        return tuple(fn(r) if isinstance(r, torch.Tensor) and r.dim() > 1 and r.shape[0] == 1 else r
+                     for r in result)
+    return fn(result)
+
+
+DEFECTS = ("ignores_boundaries", "gradient_leak", "one_percent_off", "raises", "backward_raises")
+"""What :func:`with_defect` can plant: a forward leak, a leak only through the gradient, a 1% error, an
+exception, an exception in the backward pass."""
+
+
+def with_defect(fn: OpFn, defect: str) -> OpFn:
+    """``fn`` (an op, called like :meth:`CheckCase.call` calls it) with one of :data:`DEFECTS`."""
+    if defect not in DEFECTS:
+        raise ValueError(f"defect: expected one of {DEFECTS}; got {defect!r}")
+
+    def planted(*args: Any, **kwargs: Any) -> Any:
+        *tensors, boundaries = args
+        if defect == "raises":
+            raise RuntimeError("planted failure")
+        if defect == "ignores_boundaries":
+            boundaries = PackedBoundaries.from_lengths([boundaries.total_tokens])
+            kwargs = {k: v[:1] if k in ("initial_state", "initial_states") and v is not None else v
+                      for k, v in kwargs.items()}
+        result = fn(*tensors, boundaries, **kwargs)
+        if defect == "one_percent_off":
+            return _on_token_outputs(result, lambda t: t * 1.01)
+        if defect == "gradient_leak":
+            return _on_token_outputs(result, _GradientLeak.apply)
+        if defect == "backward_raises":
+            return _on_token_outputs(result, _BackwardRaises.apply)
+        return result
+
+    return planted

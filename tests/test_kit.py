@@ -8,40 +8,19 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack.boundaries import PackedBoundaries
 from tests import kit
 
 LAYOUT = kit.Layout("with_padding", (3, 1, 6), num_pad_tokens=2)
 
 
-class GradientLeak(torch.autograd.Function):
-    """Identity forward; backward hands each token a little of the next token's gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad + 1e-3 * grad.roll(-1, dims=1)
-
-
 def ignores_boundaries(op: str) -> kit.OpFn:
     """The torch backend run as if the row were one document (each document's initial state dropped)."""
-    def fn(*args: Any, **kwargs: Any) -> Any:
-        *tensors, boundaries = args
-        states = {k: v[:1] for k, v in kwargs.items() if k in ("initial_state", "initial_states") and v is not None}
-        return kit.public_op(op)(*tensors, PackedBoundaries.from_lengths([boundaries.total_tokens]),
-                                 **kwargs | states)
-    return fn
+    return kit.with_defect(kit.public_op(op), "ignores_boundaries")
 
 
 def leaks_gradients(op: str) -> kit.OpFn:
     """The torch backend with a correct forward and a backward that crosses every boundary."""
-    def fn(*args: Any, **kwargs: Any) -> Any:
-        result = kit.public_op(op)(*args, **kwargs)
-        return (GradientLeak.apply(result[0]), *result[1:]) if isinstance(result, tuple) else GradientLeak.apply(result)
-    return fn
+    return kit.with_defect(kit.public_op(op), "gradient_leak")
 
 
 def drops_the_last_segment(op: str) -> kit.OpFn:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack import PackedBoundaries, backends, use_backends
+from hybrid_pack import backends, use_backends
 from hybrid_pack.cli import main as cli_main
 from hybrid_pack.errors import BackendUnavailableError
 from hybrid_pack.ops import causal_conv1d
@@ -28,57 +28,16 @@ PLANTED = "planted"
 ROW = kit.Layout("short_long_and_padding", (3, 1, 20, 7), num_pad_tokens=2)
 
 
-def _map_tensors(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(result, tuple):
-        return tuple(None if r is None else fn(r) for r in result)
-    return fn(result)
-
-
-class _GradientLeak(torch.autograd.Function):
-    """Identity forward; backward hands each token a little of the next token's gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad + 1e-3 * grad.roll(-1, dims=1)
-
-
-class _BackwardRaises(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("planted backward failure")
-
-
 def plant(op: str, defect: str) -> Callable[..., Any]:
-    """The op's pure-torch backend with ``defect``."""
+    """The op's pure-torch backend with ``defect`` (``"none"``: as it is)."""
     reference = reference_of(op).fn
+    kernel = reference if defect == "none" else kit.with_defect(reference, defect)
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        *tensors, boundaries = args
-        if defect == "raises":
-            raise RuntimeError("planted failure")
-        if defect == "ignores_boundaries":
-            boundaries = PackedBoundaries.from_lengths([boundaries.total_tokens])
-            kwargs = {k: (v[:1] if k in ("initial_state", "initial_states") and v is not None else v)
-                      for k, v in kwargs.items()}
-        result = reference(*tensors, boundaries, **kwargs)
-        if defect == "one_percent_off":
-            return _map_tensors(result, lambda t: t * 1.01)
-        if defect == "gradient_leak":
-            return _map_tensors(result, lambda t: _GradientLeak.apply(t) if t.dim() > 1 and t.shape[0] == 1 else t)
-        if defect == "backward_raises":
-            return _map_tensors(result, _BackwardRaises.apply)
-        return result
+    def planted(*args: Any, **kwargs: Any) -> Any:
+        return kernel(*args, **kwargs)
 
-    kernel.__name__ = kernel.__qualname__ = f"{op}_{defect}"
-    return kernel
+    planted.__name__ = planted.__qualname__ = f"{op}_{defect}"
+    return planted
 
 
 @pytest.fixture(autouse=True)
