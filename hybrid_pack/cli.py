@@ -123,9 +123,7 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
         table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
     for decision in metrics.get("backends", []):
         if decision["requires_grad"]:
-            passed_over = "; ".join(f"{name}: {why[:70]}" for name, why in decision["skipped"][:2])
-            why = f" ({passed_over})" if passed_over else ""
-            table.add_row(f"{decision['op']} runs on", decision["backend"] + why)
+            table.add_row(f"{decision['op']} runs on", _decision_text(decision))
     if "guard" in metrics:
         guard = metrics["guard"]
         table.add_row(f"runtime guard (every {guard['every']} packed calls)",
@@ -145,6 +143,15 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     console = Console()
     console.print(table)
     console.print(f"wrote {out}/metrics.json, {out}/loss.png, {out}/pack_fill.png")
+
+
+def _decision_text(decision: dict[str, Any]) -> str:
+    """``"fla"``, or ``"torch (fla: failed its self-check: ...)"`` when a kernel that could run was passed over."""
+    if decision["refused"]:
+        return f"{decision['backend']} ({'; '.join(f'{name}: {why}' for name, why in decision['refused'])})"
+    if decision["skipped"] and decision["backend"] == "torch":
+        return "torch (no kernel of this op can run here: see hybrid-pack backends)"
+    return decision["backend"]
 
 
 def _run_train(args: argparse.Namespace, *, demo: bool) -> int:

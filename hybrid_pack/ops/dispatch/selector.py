@@ -49,6 +49,7 @@ class Decision:
         device, signature: the calls' key (the signature as text).
         requires_grad: whether the calls need a backward pass.
         skipped: ``(backend, why)`` for every backend of higher priority that was passed over.
+        refused: those of them that could run here but refused these inputs or failed their self-check.
         forced: the backend was forced (argument, ``use_backends`` or ``HYBRID_PACK_BACKENDS``).
     """
 
@@ -58,6 +59,7 @@ class Decision:
     signature: str
     requires_grad: bool
     skipped: tuple[tuple[str, str], ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
     forced: bool = False
 
 
@@ -208,28 +210,29 @@ def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad:
         why = _why_not(chosen, device, dtype, requires_grad, inputs, signature)
         if why:
             raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
-        _decide(chosen, device, requires_grad, signature, (), forced=True)
+        _decide(chosen, device, requires_grad, signature, [], [], forced=True)
         return chosen
-    skipped = []
+    skipped, refused = [], []
     for candidate in backends_of(op):
         why = _why_not(candidate, device, dtype, requires_grad, inputs, signature)
         if not why:
-            _decide(candidate, device, requires_grad, signature, tuple(skipped), forced=False)
+            _decide(candidate, device, requires_grad, signature, skipped, refused, forced=False)
             return candidate
         skipped.append((candidate.name, why))
         if candidate.reason(device, dtype, requires_grad) == "":
+            refused.append((candidate.name, why))
             _log_once(op, candidate.name, why)
     raise BackendUnavailableError(f"{op}: no backend can run on {device.type} with {dtype_name(dtype)}")
 
 
 def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature | None,
-            skipped: tuple[tuple[str, str], ...], *, forced: bool) -> None:
+            skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> None:
     """Remember the first decision per (op, device, signature, grad, backend): :func:`decisions` lists them."""
     text = signature_text(signature) if signature is not None else "typical call"
     key = (chosen.op, str(device), text, requires_grad, chosen.name)
     if key not in _decisions:
         _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
-                                   skipped, forced)
+                                   tuple(skipped), tuple(refused), forced)
 
 
 def decisions() -> list[Decision]:
