@@ -44,7 +44,7 @@ def test_native_trainer_catches_a_leak_at_the_first_check_after_it_starts(tmp_pa
 
 @pytest.mark.parametrize(("preset", "dtype"), [("qwen3-next-tiny", "float32"), ("bamba-tiny", "bfloat16")])
 def test_native_trainer_never_flags_a_correct_model_and_trains_as_without_guard(tmp_path, preset, dtype):
-    cfg = {**SMALL_RUN, "model": preset, "dtype": dtype}
+    cfg = {**SMALL_RUN, "model": preset, "dtype": dtype, "max_steps": 6}
     guarded = train(TrainConfig(out=str(tmp_path / "guarded"), guard_every=1, **cfg))
     plain = train(TrainConfig(out=str(tmp_path / "plain"), guard_every=0, **cfg))
     assert guarded["guard"]["checks"] == guarded["steps"] > 5 and guarded["guard"]["failures"] == 0
