@@ -32,7 +32,7 @@ from hybrid_pack.ops.dispatch.contract import CheckCase, dtype_name, signature_t
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import resolve
 
-__all__ = ["KernelBenchmark", "run_kernel_benchmarks", "time_forward_backward"]
+__all__ = ["KernelBenchmark", "benchmark_backend", "run_kernel_benchmarks", "time_forward_backward"]
 
 PUBLIC_OPS: dict[str, Callable[..., Any]] = {"attention": varlen_attention, "conv": causal_conv1d,
                                              "gated_delta": gated_delta_rule, "ssd": mamba2_ssd}
@@ -53,6 +53,7 @@ class KernelBenchmark:
     short_documents_ms: float = float("nan")
     short_documents: int = 0
     direct_kernel_ms: float = float("nan")
+    direct_kernel_failed: str = ""  # why the direct call could not be timed (the public op's times still stand)
     skipped: str = ""
 
     @property
@@ -129,9 +130,15 @@ def direct_kernel(backend: Backend, case: CheckCase, boundaries: PackedBoundarie
         from torch.nn.attention.varlen import varlen_attn
 
         cu, longest = boundaries.cu_seqlens, boundaries.max_seqlen
-        grouped = {"enable_gqa": True} if kernel_torch_varlen.takes_enable_gqa(varlen_attn) else {}
-        return lambda: varlen_attn(a["q"][0], a["k"][0], a["v"][0], cu, cu, longest, longest,
-                                   scale=a["softmax_scale"], window_size=(-1, 0), **grouped)
+        q, k, v = a["q"][0], a["k"][0], a["v"][0]
+        grouped: dict[str, Any] = {}
+        if q.shape[1] != k.shape[1] and kernel_torch_varlen.takes_enable_gqa(varlen_attn):
+            grouped["enable_gqa"] = True
+        elif q.shape[1] != k.shape[1]:  # an expert on this torch repeats the key/value heads once, up front
+            k, v = (t.detach().repeat_interleave(q.shape[1] // t.shape[1], dim=1).requires_grad_() for t in (k, v))
+        window = kernel_torch_varlen.CAUSAL_WINDOW if a["causal"] else kernel_torch_varlen.FULL_WINDOW
+        return lambda: varlen_attn(q, k, v, cu, cu, longest, longest, scale=a["softmax_scale"], window_size=window,
+                                   **grouped)
     if name == ("attention", "flex"):
         pad = kernel_flex.bucket_length(boundaries.total_tokens) - boundaries.total_tokens
         padded = [torch.nn.functional.pad(a[k].detach(), (0, 0, 0, 0, 0, pad)).transpose(1, 2).requires_grad_()
@@ -164,10 +171,10 @@ def direct_kernel(backend: Backend, case: CheckCase, boundaries: PackedBoundarie
         return lambda: mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], a["chunk_size"], D=a["D"],
                                                  z=a["z"], dt_bias=a["dt_bias"], seq_idx=boundaries.seq_idx,
                                                  dt_softplus=a["dt_softplus"])
-    raise KeyError(f"no direct call known for backend {backend.op}/{backend.name}")
+    raise LookupError(f"no direct call known for backend {backend.op}/{backend.name}")
 
 
-def _benchmark(backend: Backend, dtype: torch.dtype, device: torch.device, tokens: int, repeats: int
+def benchmark_backend(backend: Backend, dtype: torch.dtype, device: torch.device, tokens: int, repeats: int
                ) -> KernelBenchmark:
     op, contract = backend.op, contract_of(backend.op)
     signature = contract.default_signature(dtype, device.type)
@@ -182,15 +189,22 @@ def _benchmark(backend: Backend, dtype: torch.dtype, device: torch.device, token
                "short_documents": short_document_layout(tokens)}
     for name, layout in layouts.items():
         case, boundaries = _case(op, dtype, layout, device)
-        milliseconds = time_forward_backward(
-            lambda case=case, boundaries=boundaries: case.call(public, boundaries, {**case.arguments,
-                                                                                     "backend": backend.name}),
-            device, repeats=repeats)
+        try:
+            milliseconds = time_forward_backward(
+                lambda case=case, boundaries=boundaries: case.call(public, boundaries, {**case.arguments,
+                                                                                         "backend": backend.name}),
+                device, repeats=repeats)
+        except (RuntimeError, ValueError, TypeError) as err:  # one backend failing at this size skips only itself
+            result.skipped = f"{name} row failed: {type(err).__name__}: {err}"
+            return result
         setattr(result, f"{name}_ms", milliseconds)
         if name == "mixed":
             result.mixed_documents = len(layout[0])
-            result.direct_kernel_ms = time_forward_backward(direct_kernel(backend, case, boundaries), device,
-                                                            repeats=repeats)
+            try:
+                result.direct_kernel_ms = time_forward_backward(direct_kernel(backend, case, boundaries), device,
+                                                                repeats=repeats)
+            except (LookupError, RuntimeError, ValueError, TypeError) as err:  # the public op's times still stand
+                result.direct_kernel_failed = f"{type(err).__name__}: {err}"
         if name == "short_documents":
             result.short_documents = len(layout[0])
     return result
@@ -200,6 +214,6 @@ def run_kernel_benchmarks(device: torch.device | str, dtype: torch.dtype, tokens
                           ) -> list[KernelBenchmark]:
     """Every backend of every op on ``device`` (those that cannot run, or fail their check, are listed skipped)."""
     device = torch.device(device)
-    return [_benchmark(backend, dtype, device, tokens, repeats)
+    return [benchmark_backend(backend, dtype, device, tokens, repeats)
             for op in registered_ops() for backend in backends_of(op)
             if not backend.reason(device, dtype, True) or not backend.reference]

@@ -17,8 +17,9 @@ def kernel_table(results: list[KernelBenchmark]) -> str:
             lines.append(f"| {r.op} | `{r.backend}` | {r.dtype} | skipped: {r.skipped.split(': ', 1)[-1]} "
                          "| | | | | | |")
             continue
+        direct = (f"failed: {r.direct_kernel_failed} | " if r.direct_kernel_failed
+                  else f"{r.direct_kernel_ms:.3f} | {r.adapter_overhead:+.1%}")
         lines.append(f"| {r.op} | `{r.backend}` | {r.dtype} | {r.one_document_ms:.3f} | {r.mixed_ms:.3f} "
                      f"({r.mixed_documents}) | {r.boundary_cost:+.1%} | {r.short_documents_ms:.3f} "
-                     f"({r.short_documents}) | {r.short_boundary_cost:+.1%} | {r.direct_kernel_ms:.3f} "
-                     f"| {r.adapter_overhead:+.1%} |")
+                     f"({r.short_documents}) | {r.short_boundary_cost:+.1%} | {direct} |")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ def hopper_with_triton_3_6(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_4_0", True)
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
     monkeypatch.setattr(fla_hopper, "_installed", False)
+    monkeypatch.setattr(fla_hopper, "_decided", False)
 
 
 def gradients(backend: str, boundaries: PackedBoundaries) -> dict[str, torch.Tensor]:
@@ -62,7 +63,9 @@ def test_fla_backend_trains_there_with_the_torch_dqkwg() -> None:
     assert fla_hopper.affected() and fla_hopper._installed
 
 
-def test_nothing_is_registered_where_the_triton_kernel_is_right() -> None:
+def test_nothing_is_registered_where_the_triton_kernel_is_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fla_hopper, "_installed", False)
+    monkeypatch.setattr(fla_hopper, "_decided", False)
     assert not fla_hopper.affected()
     assert not fla_hopper.install()
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -80,9 +81,29 @@ def test_enable_gqa_is_read_from_the_signature() -> None:
     assert kernel_torch_varlen.takes_enable_gqa(varlen_attn_2_13)
 
 
+def varlen_attn_2_10(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                     cu_seq_k: torch.Tensor, max_q: int, max_k: int, is_causal: bool = False) -> torch.Tensor:
+    """torch 2.10's signature: causal as a flag, no scale, no window."""
+    raise AssertionError("never called: the probe refuses this torch")
+
+
+@pytest.mark.parametrize(("stand_in", "reason"), [
+    (varlen_attn_2_10, "takes no scale, window_size (needs torch >= 2.11)"), (varlen_attn_2_11, ""),
+    (varlen_attn_2_13, "")])
+def test_the_probe_reads_the_arguments_the_adapter_passes(stand_in: Any, reason: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel_torch_varlen, "_varlen_attn", lambda: stand_in)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    probed = kernel_torch_varlen.varlen_attn_probe()
+    assert (reason in probed) if reason else probed == ""
+
+
 def dense_block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool) -> tuple[np.ndarray, np.ndarray]:
     """(meets, full) per (query block, key block), from the per-token mask: the definition."""
-    ids = np.repeat(np.arange(len(segment_lengths) + 1), [*segment_lengths, length - sum(segment_lengths)])
+    real = np.repeat(np.arange(len(segment_lengths)), segment_lengths)
+    padding = len(segment_lengths) + np.arange(sum(segment_lengths), length) // kernel_flex.BLOCK
+    ids = np.concatenate([real, padding])  # the bucket padding: one segment per 128-token block
     mask = ids[:, None] == ids[None, :]
     if causal:
         mask &= np.tril(np.ones((length, length), dtype=bool))

@@ -18,7 +18,7 @@ import torch
 
 from hybrid_pack import backends, use_backends
 from hybrid_pack.cli import main as cli_main
-from hybrid_pack.errors import BackendUnavailableError
+from hybrid_pack.errors import BackendUnavailableError, InputError
 from hybrid_pack.ops import causal_conv1d
 from hybrid_pack.ops.dispatch import registry, selector, verdicts
 from hybrid_pack.ops.dispatch.registry import contract_of, reference_of
@@ -50,6 +50,7 @@ def fresh_results(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[No
     monkeypatch.setattr(verdicts, "_loaded_from", None)
     monkeypatch.setattr(selector, "_logged", set())
     yield
+    verdicts._environment_digest.cache_clear()
     for op in registry.registered_ops():
         if any(b.name == PLANTED for b in registry.backends_of(op)):
             registry.unregister(op, PLANTED)
@@ -171,6 +172,7 @@ def test_results_are_kept_on_disk_per_environment(tmp_path: Any, monkeypatch: py
     monkeypatch.setattr(verdicts, "_loaded_from", None)
     monkeypatch.setattr(verdicts, "environment", lambda: {**json.loads(files[0].read_text())["environment"],
                                                           "torch": "0.0.0-other"})
+    verdicts._environment_digest.cache_clear()
     call_op("conv", requires_grad=True)
     assert calls and len(list((tmp_path / "cache").glob("backend-checks-*.json"))) == 2
 
@@ -201,12 +203,20 @@ def test_no_check_runs_inside_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     result, args = call_op("conv", requires_grad=True)
     assert calls == [] and not status_of("conv").checks
     torch.testing.assert_close(result, reference_result("conv", args))
-    with pytest.raises(BackendUnavailableError, match="no check runs inside torch.compile"), \
+    with pytest.raises(BackendUnavailableError, match="no check runs inside a CUDA graph capture or a torch.compile"), \
             use_backends(conv=PLANTED):
         call_op("conv", requires_grad=True)
     monkeypatch.setattr(selector, "_tracing", lambda: False)
     call_op("conv", requires_grad=True)
     assert calls and status_of("conv").usable
+
+
+def test_verify_refuses_to_run_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    register_planted("conv", "none")
+    monkeypatch.setattr(selector, "_tracing", lambda: True)
+    with pytest.raises(InputError, match="cannot run inside a CUDA graph capture"):
+        backends.verify("conv", device="cpu")
+    assert not status_of("conv").checks
 
 
 def test_compiled_caller_gets_a_correct_result() -> None:

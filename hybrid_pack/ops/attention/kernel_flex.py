@@ -3,8 +3,10 @@
 ``torch.compile(flex_attention)`` compiles one kernel per input shape; a packed row's length changes
 from batch to batch, and a symbolic (dynamic) length is what failed to find a kernel configuration
 on an H100. So the row is padded to a *bucket*: the next power of two of at least one 128-token
-block. A handful of buckets covers every length, each compiled once with ``dynamic=False``. The
-padding is a segment of its own (it attends only to itself), and its outputs are dropped.
+block. A handful of buckets covers every length, each compiled once with ``dynamic=False`` (with
+room for a few dozen compiled variants: buckets, dtypes, grad modes, instead of dynamo's 8). Each
+128-token block of the padding is a segment of its own, so the padding costs one block of work per
+block and no real token ever sees it; its outputs are dropped.
 
 The block mask is built on the host from the segment lengths (which 128-token blocks of queries
 meet which blocks of keys, and which of those lie wholly inside one document) and kept on the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from hybrid_pack.boundaries import PackedBoundaries
 
-__all__ = ["varlen_attention", "document_block_mask", "bucket_length", "BLOCK"]
+__all__ = ["varlen_attention", "document_block_mask", "bucket_length", "padded_segment_ids", "BLOCK"]
 
 BLOCK = 128  # the block mask's granularity, a multiple of every kernel tile flex attention picks
 
@@ -35,14 +38,22 @@ def bucket_length(total_tokens: int) -> int:
     return max(BLOCK, 1 << (total_tokens - 1).bit_length())
 
 
+def padded_segment_ids(segment_lengths: tuple[int, ...], length: int) -> np.ndarray:
+    """int64 ``[length]``: each token's segment, the bucket padding split into one segment per 128-token block
+    (so a padding token attends only inside its block)."""
+    lengths = np.asarray(segment_lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    padding = lengths.size + np.arange(total, length) // BLOCK
+    return np.concatenate([np.repeat(np.arange(lengths.size), lengths), padding])
+
+
 def _block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool) -> tuple[np.ndarray, ...]:
     """``(partial_counts, partial_indices, full_counts, full_indices)`` of the block mask, as numpy.
 
     Query block ``i`` meets key block ``j`` when some token of ``i`` and some token of ``j`` share a segment
     (and ``j <= i`` when causal); the pair is *full* when both blocks lie in one segment and, causal, ``j < i``.
     """
-    lengths = np.asarray(segment_lengths, dtype=np.int64)
-    segment = np.repeat(np.arange(lengths.size + 1), np.append(lengths, length - lengths.sum()))
+    segment = padded_segment_ids(segment_lengths, length)
     blocks = length // BLOCK
     first, last = segment[::BLOCK], segment[BLOCK - 1::BLOCK]
     meet = (first[None, :] <= last[:, None]) & (first[:, None] <= last[None, :])
@@ -66,8 +77,8 @@ def document_block_mask(boundaries: PackedBoundaries, causal: bool) -> BlockMask
 
     def build() -> BlockMask:
         device = boundaries.device
-        pad = length - boundaries.total_tokens
-        seq_idx = F.pad(boundaries.seq_idx[0], (0, pad), value=boundaries.num_segments)
+        seq_idx = torch.from_numpy(padded_segment_ids(boundaries.segment_lengths, length)).to(device,
+                                                                                           non_blocking=True)
 
         def same_segment(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             keep = seq_idx[q_idx] == seq_idx[kv_idx]
@@ -80,9 +91,18 @@ def document_block_mask(boundaries: PackedBoundaries, causal: bool) -> BlockMask
     return boundaries.view(("flex_block_mask", causal, length), build)
 
 
+RECOMPILE_LIMIT = 64  # compiled variants of flex_attention kept (dynamo's default, 8, falls back to dense eagerly)
+
+
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    return torch.compile(flex_attention, dynamic=False)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def attend(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return attend
 
 
 def _attend(device: torch.device) -> Callable[..., torch.Tensor]:

@@ -1,8 +1,8 @@
-"""torch adapter: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA flash kernel) with ``cu_seqlens``.
+"""torch adapter: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.11, CUDA flash kernel) with ``cu_seqlens``.
 
 Same argument forms as flash-attn: ``[T, H, D]`` rows, int32 ``cu_seq_q = cu_seq_k`` and Python-int
 maximum lengths. Causal masking is ``window_size=(-1, 0)``. Grouped-query attention is
-``enable_gqa=True`` where this torch has the argument (2.13 does); torch 2.10-2.12's ``varlen_attn``
+``enable_gqa=True`` where this torch has the argument (2.13 does); torch 2.11-2.12's ``varlen_attn``
 has none and documents equal head counts, so there the key/value heads are repeated up to the query
 heads first. On CPU the op has no kernel (``aten::_flash_attention_forward`` is CUDA only).
 """
@@ -26,12 +26,17 @@ FULL_WINDOW = (-1, -1)
 
 
 def varlen_attn_probe() -> str:
-    """"" if this torch has ``torch.nn.attention.varlen.varlen_attn``, else why not."""
+    """"" if this torch's ``torch.nn.attention.varlen.varlen_attn`` takes ``scale`` and ``window_size``, else why."""
     try:
         found = importlib.util.find_spec("torch.nn.attention.varlen") is not None
     except ImportError:
         found = False
-    return "" if found else f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    if not found:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.11)"
+    missing = {"scale", "window_size"} - set(inspect.signature(_varlen_attn()).parameters)
+    if missing:
+        return f"torch {torch.__version__}'s varlen_attn takes no {', '.join(sorted(missing))} (needs torch >= 2.11)"
+    return ""
 
 
 @functools.cache

@@ -19,6 +19,21 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _stable_repr(value: Any) -> str:
+    """What identifies a value a kernel closes over, the same in every process: plain values by repr, functions by
+    their name and source, anything else by its type (a default repr holds a memory address)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(map(_stable_repr, value)) + ")"
+    if callable(value):
+        try:
+            return f"{getattr(value, '__qualname__', '')}:{inspect.getsource(value)}"
+        except (OSError, TypeError):
+            return getattr(value, "__qualname__", type(value).__name__)
+    return type(value).__qualname__
+
+
 @dataclass(frozen=True, eq=False)
 class Backend:
     """One implementation of one op that keeps documents apart.
@@ -77,13 +92,13 @@ class Backend:
             source = inspect.getsource(target)
         except (OSError, TypeError):
             source = repr(target)
-        bound = [getattr(fn, "args", ()), getattr(fn, "keywords", {})]
+        bound = [*getattr(fn, "args", ()), *getattr(fn, "keywords", {}).values()]
         for cell in getattr(target, "__closure__", None) or ():
             try:
                 bound.append(cell.cell_contents)
             except ValueError:  # a cell not yet filled
                 bound.append(None)
-        digest = hashlib.sha1((source + repr(bound)).encode()).hexdigest()[:12]
+        digest = hashlib.sha1((source + "".join(map(_stable_repr, bound))).encode()).hexdigest()[:12]
         return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}@{digest}"
 
     @cached_property

@@ -13,7 +13,8 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,7 +27,7 @@ from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_backend, reference_of, registered_ops
-from hybrid_pack.ops.dispatch.selfcheck import run_check
+from hybrid_pack.ops.dispatch.selfcheck import FAILED, run_check
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
 __all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "select", "use_backends", "verification_enabled",
@@ -137,19 +138,46 @@ def _key(backend: Backend, signature: Signature, device: torch.device, requires_
                       signature_text(signature), requires_grad)
 
 
-def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
-    """Run the self-check of ``backend`` for this key now and keep the result (out of memory is not kept)."""
-    key = _key(backend, signature, device, requires_grad)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.autocast(device.type, enabled=False))
+def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> CheckResult:
+    """``fn()`` on a thread of its own: grad and inference mode, autocast, saved-tensor hooks (activation
+    checkpointing) and dispatch modes are per thread, so the caller's do not reach the check (nor the check's
+    autograd graph the caller's)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
         try:
-            result = run_check(backend, reference_of(backend.op), contract_of(backend.op), signature, device,
-                               requires_grad)
-        except torch.cuda.OutOfMemoryError as err:
-            return CheckResult(backend.op, backend.name, False, f"ran out of memory in its self-check ({err})",
-                               float("nan"), 0.0, key.device, key.signature, requires_grad)
-    verdicts.remember(key, result)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            outcome["result"] = fn()
+        except BaseException as err:  # handed back to the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="hybrid_pack-selfcheck")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
+    """Run the self-check of ``backend`` for this key now and keep the result.
+
+    A measured verdict (passed, or failed a condition) is kept for the process and on disk; a check the
+    backend raised in, or that ran out of memory, is kept for this process only (its cause may be passing).
+    """
+    if _tracing():
+        raise InputError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph capture "
+                         "or a torch.compile trace; run hybrid_pack.backends.verify() (or one eager step) before it")
+    key = _key(backend, signature, device, requires_grad)
+    try:
+        result = _in_a_clean_thread(lambda: run_check(backend, reference_of(backend.op), contract_of(backend.op),
+                                                      signature, device, requires_grad), device)
+    except torch.cuda.OutOfMemoryError as err:
+        result = CheckResult(op=backend.op, backend=backend.name, ok=False,
+                             reason=f"ran out of memory in its self-check ({err})", max_error=float("nan"),
+                             seconds=0.0, device=key.device, signature=key.signature, requires_grad=requires_grad)
+    verdicts.remember(key, result, persist=result.ok or result.reason.startswith(FAILED))
     return result
 
 
@@ -180,8 +208,7 @@ def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requi
     verdict = verdict_for(candidate, signature, device, requires_grad)
     if verdict is None:
         return (f"not yet checked for {signature_text(signature)} on {verdicts.device_name(device)}, and no check "
-                "runs inside torch.compile or a CUDA graph capture (run one eager call, or "
-                "hybrid_pack.backends.verify(), first)")
+                "runs inside a CUDA graph capture or a torch.compile trace (run one step eagerly first)")
     return verdict.reason
 
 

@@ -10,9 +10,10 @@ segment) with inputs of the call's signature, and
 3. when gradients are needed, its gradients agree with the pure-torch backend's, and the gradient
    of any one segment's outputs with respect to every other segment's inputs is exactly zero.
 
-The row holds ``4 * edge + 15`` tokens in seven segments (271 for 64-token chunks): one forward
-and backward pass of the kernel and of the reference, one forward pass of the kernel per document
-alone, and one backward pass per segment. Anything the backend raises fails the check.
+The row holds ``5 * edge + reach + 10`` tokens in seven segments (331 for 64-token chunks and a
+width-4 conv, 651 for attention's 128-token tiles): one forward and backward pass of the kernel and
+of the reference, one forward pass of the kernel per document alone, and one backward pass per
+segment. Anything the backend raises fails the check.
 """
 
 from __future__ import annotations
@@ -27,23 +28,25 @@ from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
 
-__all__ = ["TOLERANCE", "check_layout", "run_check", "relative_error"]
+__all__ = ["TOLERANCE", "FAILED", "check_layout", "run_check", "relative_error"]
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 """Largest relative difference (to the largest magnitude of the reference) accepted per dtype; float32
 allows TF32 matmuls, the half types their rounding over a recurrence."""
 
 PADDING = 5
+FAILED = "failed its self-check"
+"""How the reason of a measured failure starts (the other failures: the backend raised, or ran out of memory)."""
 
 
 def check_layout(edge: int, reach: int) -> tuple[list[int], int]:
     """Document lengths and padding of the check's row for block length ``edge`` and conv reach ``reach``.
 
     A one-token document first, then one ending exactly on a block edge, one crossing the next edge by a
-    token, another one-token document, one over two blocks long beside it, one just past the reach, and a
-    trailing padding segment: seven segments.
+    token, another one-token document, one over three blocks long beside it (so two whole blocks lie inside
+    one document wherever it starts), one just past the reach, and a trailing padding segment: seven segments.
     """
-    return [1, edge - 1, edge + 1, 1, 2 * edge + 3, reach + 1], PADDING
+    return [1, edge - 1, edge + 1, 1, 3 * edge + 3, reach + 1], PADDING
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -187,7 +190,7 @@ def run_check(backend: Backend, reference: Backend, contract: OpContract, signat
     try:
         worst = _check(case, boundaries, generator, backend, reference, contract, requires_grad)
     except _Failed as failure:
-        reason = f"failed its self-check: {failure}"
+        reason = f"{FAILED}: {failure}"
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:

@@ -1,10 +1,11 @@
 """Results of backend self-checks, kept for the process and on disk per environment.
 
 A result is valid for one environment: the versions of torch, triton, the kernel packages and
-hybrid_pack itself. Each environment has its own file under ``HYBRID_PACK_CACHE`` (default
-``~/.cache/hybrid_pack``), so an environment checks each kernel once, and an upgrade of any of
-them checks again. Inside a file, results are keyed by op, backend (and a hash of its code), the
-device's name, the call's signature and whether gradients were checked.
+hybrid_pack itself (and a hash of hybrid_pack's source, so an edited checkout checks again), and the
+switches that change which kernel runs (``FLA_TILELANG``). Each environment has its own file under
+``HYBRID_PACK_CACHE`` (default ``~/.cache/hybrid_pack``), so an environment checks each kernel once,
+and an upgrade of any of them checks again. Inside a file, results are keyed by op, backend (and a
+hash of its code), the device's name, the call's signature and whether gradients were checked.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ __all__ = ["CheckResult", "VerdictKey", "remember", "recall", "forget", "results
 
 CACHE_ENV = "HYBRID_PACK_CACHE"
 PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
-            "flash-attn")
+            "flash-attn", "tilelang")
+SWITCHES = ("FLA_TILELANG", "TRITON_INTERPRET")
+"""Environment variables that change which kernel code runs."""
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,26 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def _source_digest() -> str:
+    """A hash of every Python file of hybrid_pack (an editable install keeps its version number while it changes)."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def environment() -> dict[str, str]:
-    """The versions a result depends on (a missing package is recorded as absent)."""
-    env = {"python": platform.python_version(), "cuda": str(torch.version.cuda)}
+    """The versions and switches a result depends on (a missing package is recorded as absent)."""
+    env = {"python": platform.python_version(), "cuda": str(torch.version.cuda), "hybrid_pack_source": _source_digest()}
     for package in PACKAGES:
         try:
             env[package] = version(package)
         except PackageNotFoundError:
             env[package] = "absent"
+    env.update({name: os.environ.get(name, "") for name in SWITCHES})
     return env
 
 
@@ -99,8 +113,12 @@ def cache_dir() -> Path:
 
 
 def _cache_file() -> Path:
-    digest = hashlib.sha1(json.dumps(environment(), sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"backend-checks-{digest}.json"
+    return cache_dir() / f"backend-checks-{_environment_digest()}.json"
+
+
+@functools.cache
+def _environment_digest() -> str:
+    return hashlib.sha1(json.dumps(environment(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 _memory: dict[VerdictKey, CheckResult] = {}
@@ -115,9 +133,12 @@ def _load() -> None:
         return
     _loaded_from = path
     for text, record in _read(path).items():
-        op, backend, fingerprint, device, signature, grad = text.split("|")
-        key = VerdictKey(op, backend, fingerprint, device, signature, grad == "grad")
-        _memory.setdefault(key, CheckResult(**record))
+        try:
+            op, backend, fingerprint, device, signature, grad = text.split("|")
+            result = CheckResult(**record)
+        except (TypeError, ValueError):  # written by another version: checked again
+            continue
+        _memory.setdefault(VerdictKey(op, backend, fingerprint, device, signature, grad == "grad"), result)
 
 
 def _read(path: Path) -> dict[str, dict]:

@@ -69,7 +69,21 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
                     chunk_indices: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """fla's gated ``chunk_bwd_dqkwg`` in torch (same arguments): ``(dq, dk [B, T, H, K], dw [B, T, HV, K] or None,
-    dg [B, T, HV] float32)``. All chunks are computed at once: memory ``~ chunks * HV * chunk^2 * 4`` bytes."""
+    dg [B, T, HV] float32)``.
+
+    All chunks are computed at once, in float32 whatever autocast the backward runs under: memory about
+    ``chunks * HV * 64 * (6 K + 2 V + 64) * 4`` bytes (the chunk-major q, k, dq, dk, dw, v, do and ``ds``).
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_bwd_dqkwg(q, k, v, do, h, dh, w, g, dv, scale, state_v_first, cu_seqlens, chunk_size,
+                                chunk_indices)
+
+
+def _chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, h: torch.Tensor,
+                     dh: torch.Tensor, w: torch.Tensor | None, g: torch.Tensor, dv: torch.Tensor | None, scale: float,
+                     state_v_first: bool, cu_seqlens: torch.Tensor | None, chunk_size: int,
+                     chunk_indices: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     batch, tokens, heads, _ = k.shape
     v_heads = v.shape[2]
     group, device = v_heads // heads, q.device
@@ -130,16 +144,20 @@ def _gated(*args: Any, g: torch.Tensor | None = None, g_gamma: torch.Tensor | No
 
 
 _installed = False
+_decided = False
 
 
 def install() -> bool:
-    """Register :func:`chunk_bwd_dqkwg` with fla's dispatch once, where :func:`affected` and TileLang is absent.
+    """Register :func:`chunk_bwd_dqkwg` with fla's dispatch, where :func:`affected` and TileLang is absent.
 
-    Returns whether it is registered.
+    Decided once per process; returns whether it is registered.
     """
-    global _installed
-    if _installed or not affected() or tilelang_fix_present():
+    global _installed, _decided
+    if _decided:
         return _installed
+    _decided = True
+    if not affected() or tilelang_fix_present():
+        return False
     from fla.backends import BaseBackend, register
 
     class TorchDqkwg(BaseBackend):

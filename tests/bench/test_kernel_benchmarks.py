@@ -1,0 +1,70 @@
+"""The kernel benchmark on CPU: a backend that fails at benchmark size, or has no known direct call, is reported
+as such while every other backend's figures stand."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from hybrid_pack import backends
+from hybrid_pack.bench.kernels import benchmark_backend
+from hybrid_pack.bench.report import kernel_table
+from hybrid_pack.ops.dispatch import registry, selector, verdicts
+from hybrid_pack.ops.dispatch.registry import get_backend, reference_of
+
+TOKENS = 8192  # the smallest row the benchmark layouts take
+
+
+@pytest.fixture(autouse=True)
+def user_backends(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(verdicts, "_memory", {})
+    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(selector, "_logged", set())
+    yield
+    verdicts._environment_digest.cache_clear()
+    for name in ("user_conv", "big_rows_fail"):
+        if any(b.name == name for b in registry.backends_of("conv")):
+            registry.unregister("conv", name)
+
+
+def register_conv(name: str, fails_above: int | None = None) -> None:
+    reference = reference_of("conv").fn
+
+    def conv(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if fails_above is not None and x.shape[1] > fails_above:
+            raise RuntimeError(f"{name}: rows over {fails_above} tokens are not supported")
+        return reference(x, *args, **kwargs)
+
+    conv.__name__ = conv.__qualname__ = name
+    backends.register("conv", name, conv, priority=100, devices=("cpu",), dtypes=(torch.float32,))
+
+
+def test_a_backend_without_a_known_direct_call_keeps_its_public_op_times() -> None:
+    register_conv("user_conv")
+    result = benchmark_backend(get_backend("conv", "user_conv"), torch.float32, torch.device("cpu"), TOKENS,
+                               repeats=1)
+    assert not result.skipped
+    assert "no direct call known for backend conv/user_conv" in result.direct_kernel_failed
+    assert all(ms > 0 for ms in (result.one_document_ms, result.mixed_ms, result.short_documents_ms))
+    assert result.mixed_documents > 10 and result.short_documents > 100
+    row = kernel_table([result]).splitlines()[-1]
+    assert "failed: LookupError" in row and f"{result.mixed_ms:.3f} ({result.mixed_documents})" in row
+
+
+def test_a_backend_failing_at_benchmark_size_is_skipped_with_its_error() -> None:
+    register_conv("big_rows_fail", fails_above=4096)  # passes its self-check on a small row
+    result = benchmark_backend(get_backend("conv", "big_rows_fail"), torch.float32, torch.device("cpu"), TOKENS,
+                               repeats=1)
+    assert result.skipped.startswith("one_document row failed: RuntimeError")
+    assert "rows over 4096 tokens" in result.skipped
+    assert "skipped: " in kernel_table([result])
+
+
+def test_the_reference_backend_is_timed_directly_too() -> None:
+    result = benchmark_backend(reference_of("conv"), torch.float32, torch.device("cpu"), TOKENS, repeats=1)
+    assert not result.skipped and not result.direct_kernel_failed
+    assert result.direct_kernel_ms > 0
