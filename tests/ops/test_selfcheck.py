@@ -177,6 +177,24 @@ def test_results_are_kept_on_disk_per_environment(tmp_path: Any, monkeypatch: py
     assert calls and len(list((tmp_path / "cache").glob("backend-checks-*.json"))) == 2
 
 
+def raises_out_of_memory(*args: Any, **kwargs: Any) -> Any:
+    raise torch.cuda.OutOfMemoryError("planted: CUDA out of memory")
+
+
+@pytest.mark.parametrize(("kernel", "kept_on_disk"), [("raises", True), ("out_of_memory", False)])
+def test_a_raising_check_is_kept_on_disk_and_one_out_of_memory_is_not(kernel: str, kept_on_disk: bool,
+                                                                      tmp_path: Any) -> None:
+    fn = plant("conv", "raises") if kernel == "raises" else raises_out_of_memory
+    backends.register("conv", PLANTED, fn, priority=100, devices=("cpu",), dtypes=(torch.float32,))
+    call_op("conv", requires_grad=True)
+    assert not status_of("conv").usable
+    stored = [json.loads(f.read_text())["results"] for f in (tmp_path / "cache").glob("backend-checks-*.json")]
+    planted = [record for results in stored for key, record in results.items() if f"|{PLANTED}|" in key]
+    assert bool(planted) == kept_on_disk
+    if not kept_on_disk:
+        assert "ran out of memory" in status_of("conv").reason
+
+
 def test_replacing_a_kernel_forgets_its_results() -> None:
     register_planted("conv", "raises")
     call_op("conv", requires_grad=True)

@@ -27,7 +27,7 @@ from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_backend, reference_of, registered_ops
-from hybrid_pack.ops.dispatch.selfcheck import FAILED, run_check
+from hybrid_pack.ops.dispatch.selfcheck import run_check
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
 __all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "select", "use_backends", "verification_enabled",
@@ -163,8 +163,8 @@ def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> C
 def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
     """Run the self-check of ``backend`` for this key now and keep the result.
 
-    A measured verdict (passed, or failed a condition) is kept for the process and on disk; a check the
-    backend raised in, or that ran out of memory, is kept for this process only (its cause may be passing).
+    The result is kept for the process and on disk, so an environment checks each kernel once (SPEC §5a); a
+    check that ran out of memory is kept for this process only (another process may have held the memory).
     """
     if _tracing():
         raise InputError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph capture "
@@ -177,7 +177,9 @@ def check_now(backend: Backend, signature: Signature, device: torch.device, requ
         result = CheckResult(op=backend.op, backend=backend.name, ok=False,
                              reason=f"ran out of memory in its self-check ({err})", max_error=float("nan"),
                              seconds=0.0, device=key.device, signature=key.signature, requires_grad=requires_grad)
-    verdicts.remember(key, result, persist=result.ok or result.reason.startswith(FAILED))
+        verdicts.remember(key, result, persist=False)
+        return result
+    verdicts.remember(key, result)
     return result
 
 

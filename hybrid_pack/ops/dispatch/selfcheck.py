@@ -28,15 +28,13 @@ from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
 
-__all__ = ["TOLERANCE", "FAILED", "check_layout", "run_check", "relative_error"]
+__all__ = ["TOLERANCE", "check_layout", "run_check", "relative_error"]
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 """Largest relative difference (to the largest magnitude of the reference) accepted per dtype; float32
 allows TF32 matmuls, the half types their rounding over a recurrence."""
 
 PADDING = 5
-FAILED = "failed its self-check"
-"""How the reason of a measured failure starts (the other failures: the backend raised, or ran out of memory)."""
 
 
 def check_layout(edge: int, reach: int) -> tuple[list[int], int]:
@@ -190,7 +188,7 @@ def run_check(backend: Backend, reference: Backend, contract: OpContract, signat
     try:
         worst = _check(case, boundaries, generator, backend, reference, contract, requires_grad)
     except _Failed as failure:
-        reason = f"{FAILED}: {failure}"
+        reason = f"failed its self-check: {failure}"
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:
