@@ -258,6 +258,14 @@ def test_verify_checks_every_backend_now_and_reports_failures() -> None:
     planted = results[("ssd", PLANTED)]
     assert not planted.ok and "reaches other segments" in planted.reason and planted.seconds > 0
     assert planted.signature and planted.device == "cpu" and planted.requires_grad
+    assert planted.max_error > 0 and f"max {planted.max_error:.3g}" in planted.reason
+
+
+def test_a_failed_check_reports_the_error_that_failed_it() -> None:
+    register_planted("conv", "one_percent_off")
+    [planted] = [r for r in backends.verify("conv", device="cpu") if r.backend == PLANTED]
+    assert not planted.ok and planted.max_error == pytest.approx(0.01, rel=0.2)
+    assert f"differs by {planted.max_error:.3g}" in planted.reason
 
 
 def test_cli_verify_exits_1_when_a_backend_fails(capsys: pytest.CaptureFixture[str]) -> None:

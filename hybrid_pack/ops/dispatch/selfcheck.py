@@ -60,7 +60,11 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 class _Failed(Exception):
-    """One condition of the check did not hold; the message says which."""
+    """One condition of the check did not hold; the message says which, ``error`` by how much (when measured)."""
+
+    def __init__(self, message: str, error: float = float("nan")) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 def _precision(case: CheckCase) -> torch.dtype:
@@ -94,7 +98,7 @@ def _compare(what: str, actual: list[torch.Tensor], expected: list[torch.Tensor]
             raise _Failed(f"{what}: output {i} has shape {list(a.shape)}, expected {list(e.shape)}")
         error = relative_error(a, e)
         if not error <= tolerance:
-            raise _Failed(f"{what}: output {i} differs by {error:.3g} (tolerance {tolerance:.0e})")
+            raise _Failed(f"{what}: output {i} differs by {error:.3g} (tolerance {tolerance:.0e})", error)
         worst = max(worst, error)
     return worst
 
@@ -163,8 +167,9 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
             else:
                 others = torch.cat([grad[:segment], grad[segment + 1:]])
             if (others != 0).any():
+                leak = others.abs().max().item()
                 raise _Failed(f"gradient of segment {segment} ({length} tokens) reaches other segments' {name} "
-                              f"(max {others.abs().max().item():.3g}; must be exactly 0)")
+                              f"(max {leak:.3g}; must be exactly 0)", leak)
     return worst
 
 
@@ -188,7 +193,7 @@ def run_check(backend: Backend, reference: Backend, contract: OpContract, signat
     try:
         worst = _check(case, boundaries, generator, backend, reference, contract, requires_grad)
     except _Failed as failure:
-        reason = f"failed its self-check: {failure}"
+        worst, reason = failure.error, f"failed its self-check: {failure}"
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:

@@ -40,7 +40,8 @@ class CheckResult:
         op, backend: what was checked.
         ok: it agreed with the pure-torch backend, packed agreed with alone, and no gradient crossed documents.
         reason: why not ("" when ok).
-        max_error: the largest relative difference measured (to the reference, or packed to alone).
+        max_error: the largest relative difference measured (to the reference, or packed to alone); for a failed
+            check, the difference (or the cross-segment gradient) that failed it; NaN when nothing was measured.
         seconds: how long the check took.
         device: the device's name.
         dtype: the call's (lowest) floating dtype, which sets the tolerance.
