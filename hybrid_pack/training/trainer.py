@@ -49,14 +49,15 @@ IsolationFailed = IsolationError
 
 @dataclass(frozen=True)
 class _Process:
-    """Where this process runs: its rank among ``world`` processes, its device, the autocast dtype and
-    the run directory."""
+    """Where this process runs: its rank among ``world`` processes, its device, the autocast dtype, the run
+    directory, and whether the run started the process group (then it also ends it)."""
 
     rank: int
     world: int
     device: torch.device
     autocast: torch.dtype | None
     out: Path
+    owns_process_group: bool = False
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -68,6 +69,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """
     began = time.perf_counter()
     proc = _start(cfg)
+    try:
+        metrics = _train(cfg, proc, began)
+    except BaseException:
+        if proc.owns_process_group:  # no barrier: the other ranks may never reach it
+            dist.destroy_process_group()
+        raise
+    if proc.owns_process_group:
+        dist.barrier()  # every rank's collectives are finished (and freed) before the group goes
+        dist.destroy_process_group()
+    return metrics
+
+
+def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     model = build_model(cfg).to(proc.device)
     features = _load_features(cfg, model, proc)
     metrics = _run_metrics(cfg, proc, features)
@@ -118,11 +132,12 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
 def _start(cfg: TrainConfig) -> _Process:
     """Join the process group under ``torchrun``, pick the device and autocast dtype, make the run directory."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
     if cfg.compare_padded and world > 1:
         raise InputError("compare_padded: run the padded comparison on one process (without torchrun)")
+    owns_process_group = world > 1 and not dist.is_initialized()
+    if owns_process_group:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
     if cfg.device:
         device = torch.device(cfg.device)
     elif torch.cuda.is_available():
@@ -134,7 +149,8 @@ def _start(cfg: TrainConfig) -> _Process:
     out = cfg.out_dir
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    return _Process(rank=rank, world=world, device=device, autocast=autocast, out=out)
+    return _Process(rank=rank, world=world, device=device, autocast=autocast, out=out,
+                    owns_process_group=owns_process_group)
 
 
 def _load_features(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> list[dict[str, Any]]:

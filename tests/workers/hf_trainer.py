@@ -57,6 +57,16 @@ def main(out: str, checkpoint: str | None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{out}.{'resumed' if checkpoint else 'full'}.rank{rank}.json", "w") as f:
         json.dump({"lengths": lengths.tolist(), "capacity": CAPACITY, "seed": SEED, "seen": model.seen}, f)
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """The Trainer starts the process group and leaves it open, and gloo can abort at exit with it open. The
+    barrier lets gloo's worker thread finish freeing the last collectives before the group is destroyed:
+    freeing them needs the GIL, which the main thread holds while it joins that thread in the destructor."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
