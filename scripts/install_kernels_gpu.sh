@@ -28,7 +28,8 @@ ARCH=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capabili
 
 "$PYTHON" -m pip install --no-deps "fla-core==$FLA_VERSION" "flash-linear-attention==$FLA_VERSION" "einops>=0.8"
 TORCH_CUDA_ARCH_LIST="$ARCH" CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-16}" \
-    "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall "causal-conv1d==$CAUSAL_CONV1D_VERSION"
+    "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir \
+    "causal-conv1d==$CAUSAL_CONV1D_VERSION"  # no cache: the CPU tier's wheel of the same version has no CUDA extension
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
     "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall "mamba-ssm==$MAMBA_SSM_VERSION"
 
@@ -38,4 +39,6 @@ import torch
 print(f"device: {torch.cuda.get_device_name()}")
 for name in ("torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d"):
     print(f"{name}=={version(name)}")
+import causal_conv1d_cuda  # noqa: F401  (fails here, not in the GPU tier, if the CUDA extension was not built)
+print("causal_conv1d_cuda: built")
 PY
