@@ -27,10 +27,12 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import BackendUnavailableError
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
 from hybrid_pack.ops.attention import kernel_flex, kernel_torch_varlen
+from hybrid_pack.ops.conv import kernel_fla as conv_fla
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import CheckCase, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.gated_delta import kernel_fla as gated_delta_fla
 
 __all__ = ["KernelBenchmark", "benchmark_backend", "run_kernel_benchmarks", "time_forward_backward"]
 
@@ -154,13 +156,13 @@ def direct_kernel(backend: Backend, case: CheckCase, boundaries: PackedBoundarie
     if name == ("conv", "fla"):
         from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 
-        index, cu_cpu = boundaries.kernel_chunk_index(64)
+        index, cu_cpu = boundaries.kernel_chunk_index(conv_fla.KERNEL_CHUNK_SIZE)
         return lambda: fla_conv(a["x"], a["weight"], a["bias"], activation=a["activation"], backend="triton",
                                 cu_seqlens=boundaries.cu_seqlens, cu_seqlens_cpu=cu_cpu, chunk_indices=index)
     if name == ("gated_delta", "fla"):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        index, cu_cpu = boundaries.kernel_chunk_index(64)
+        index, cu_cpu = boundaries.kernel_chunk_index(gated_delta_fla.KERNEL_CHUNK_SIZE)
         return lambda: chunk_gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=a["scale"],
                                               use_qk_l2norm_in_kernel=a["use_qk_l2norm"],
                                               cu_seqlens=boundaries.cu_seqlens, cu_seqlens_cpu=cu_cpu,

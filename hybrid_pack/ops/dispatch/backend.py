@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.ops.dispatch.contract import dtype_name
+
 __all__ = ["Backend", "FLOAT_DTYPES", "KERNEL_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -123,7 +125,7 @@ class Backend:
             self._reasons[key] = (
                 self.environment_reason
                 or (f"runs on {'/'.join(self.devices)}, not {device.type}" if device.type not in self.devices else "")
-                or (f"does not take {str(dtype).removeprefix('torch.')}" if dtype not in self.dtypes else "")
+                or (f"does not take {dtype_name(dtype)}" if dtype not in self.dtypes else "")
                 or ("has no backward pass" if requires_grad and not self.backward else "")
             )
         if self._reasons[key] or self.device_probe is None:

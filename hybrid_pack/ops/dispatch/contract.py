@@ -9,6 +9,7 @@ signature on a short adversarial layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ def random_tensor(shape: tuple[int, ...], dtype: str | torch.dtype, device: torc
     return values.to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every op call; a process sees a few signatures
 def signature_text(signature: Signature) -> str:
     """``"D=64 H=4 causal=True q=bfloat16"``: a signature as people (and the on-disk cache) read it."""
     return " ".join(f"{name}={value}" for name, value in signature)

@@ -22,13 +22,15 @@ from pathlib import Path
 
 import torch
 
+from hybrid_pack.ops.triton_device import INTERPRET_ENV, cpu_interpreter_enabled
+
 __all__ = ["CheckResult", "VerdictKey", "remember", "recall", "forget", "results", "environment", "device_name",
            "CACHE_ENV", "cache_dir"]
 
 CACHE_ENV = "HYBRID_PACK_CACHE"
 PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
             "flash-attn", "tilelang")
-SWITCHES = ("FLA_TILELANG", "TRITON_INTERPRET")
+SWITCHES = ("FLA_TILELANG", INTERPRET_ENV)
 """Environment variables that change which kernel code runs."""
 
 
@@ -80,10 +82,15 @@ class VerdictKey:
 def device_name(device: torch.device) -> str:
     """``"cuda NVIDIA H100 80GB HBM3"``, ``"cpu"`` or ``"cpu (Triton interpreter)"``: what a result was measured on."""
     if device.type == "cuda":
-        return f"cuda {torch.cuda.get_device_name(device)}"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type == "cpu" and cpu_interpreter_enabled():
         return "cpu (Triton interpreter)"
     return device.type
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return f"cuda {torch.cuda.get_device_name(index)}"
 
 
 def _source_digest() -> str:
@@ -123,17 +130,17 @@ def _environment_digest() -> str:
 
 
 _memory: dict[VerdictKey, CheckResult] = {}
-_loaded_from: Path | None = None
+_loaded_from: tuple[str | None, str] | None = None  # (HYBRID_PACK_CACHE, environment digest) of the file read
 
 
 def _load() -> None:
-    """Read this environment's file once (again if ``HYBRID_PACK_CACHE`` changed)."""
+    """Read this environment's file once (again if ``HYBRID_PACK_CACHE`` or the environment changed)."""
     global _loaded_from
-    path = _cache_file()
-    if _loaded_from == path:
+    source = (os.environ.get(CACHE_ENV), _environment_digest())
+    if _loaded_from == source:
         return
-    _loaded_from = path
-    for text, record in _read(path).items():
+    _loaded_from = source
+    for text, record in _read(_cache_file()).items():
         try:
             op, backend, fingerprint, device, signature, grad = text.split("|")
             result = CheckResult(**record)
