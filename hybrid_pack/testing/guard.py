@@ -46,7 +46,7 @@ from hybrid_pack.schema import (
     POSITION_IDS,
     SEQ_IDX,
 )
-from hybrid_pack.testing.isolation import DEFAULT_ATOL, _logits, _origin, _record_calls
+from hybrid_pack.testing.isolation import _logits, _origin, _record_calls, dtype_tolerance
 
 __all__ = ["ACTIONS", "GuardRecord", "IsolationWarning", "PackingGuard"]
 
@@ -236,7 +236,7 @@ class PackingGuard:
                 output = self.model(**batch)
                 packed, compared = self._packed_output(output, self._hidden)
             packed = _rows(packed, boundaries.total_tokens, compared)
-            atol = self.atol if self.atol is not None else _tolerance(self.model, packed.dtype, boundaries.device)
+            atol = self.atol if self.atol is not None else dtype_tolerance(self.model, packed.dtype, boundaries.device)
             for doc in chosen:
                 start, length = starts[doc], lengths[doc]
                 output = self.model(**_document_batch(batch, boundaries, start, length,
@@ -438,17 +438,6 @@ def _relative_diff(packed: torch.Tensor, alone: torch.Tensor) -> float:
     scale = torch.maximum(packed.abs().max(), alone.abs().max()).clamp(min=1.0)
     value = float(diff / scale)
     return value if math.isfinite(value) else math.inf
-
-
-def _tolerance(model: nn.Module, output_dtype: torch.dtype, device: torch.device) -> float:
-    """The tolerance of the least precise dtype among the parameters', the output's and autocast's."""
-    dtypes = {output_dtype}
-    param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    if param is not None:
-        dtypes.add(param.dtype)
-    if torch.is_autocast_enabled(device.type):
-        dtypes.add(torch.get_autocast_dtype(device.type))
-    return max(DEFAULT_ATOL.get(dtype, DEFAULT_ATOL[torch.float32]) for dtype in dtypes)
 
 
 def _randomised(model: nn.Module) -> bool:

@@ -30,6 +30,17 @@ __all__ = ["check_isolation", "assert_isolated", "IsolationError", "DEFAULT_ATOL
 DEFAULT_ATOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
+def dtype_tolerance(model: torch.nn.Module, output_dtype: torch.dtype, device: torch.device) -> float:
+    """The tolerance of the least precise dtype among the parameters', the output's and autocast's."""
+    dtypes = {output_dtype}
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is not None:
+        dtypes.add(param.dtype)
+    if torch.is_autocast_enabled(device.type):
+        dtypes.add(torch.get_autocast_dtype(device.type))
+    return max(DEFAULT_ATOL.get(dtype, DEFAULT_ATOL[torch.float32]) for dtype in dtypes)
+
+
 def _logits(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output

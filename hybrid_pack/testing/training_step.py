@@ -39,7 +39,7 @@ from hybrid_pack.schema import (
     LABELS,
     NUM_PAD_TOKENS,
 )
-from hybrid_pack.testing.isolation import DEFAULT_ATOL, _first_backward_leak, _max_abs, _origin, _record_calls
+from hybrid_pack.testing.isolation import _first_backward_leak, _max_abs, _origin, _record_calls, dtype_tolerance
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
 __all__ = ["check_training_step", "is_trainer"]
@@ -396,7 +396,8 @@ def _check(step: Step, batch: dict[str, Any], model: torch.nn.Module, name: str,
                          f"{INPUT_IDS} {list(ids.shape) if isinstance(ids, torch.Tensor) else ids!r}")
     boundaries = PackedBoundaries.from_batch(batch)
     dtype = _model_dtype(model)
-    atol = DEFAULT_ATOL.get(dtype, 1e-4) if atol is None else float(atol)
+    given_atol = atol
+    atol = dtype_tolerance(model, dtype, boundaries.device) if atol is None else float(atol)
     docs = [_Document(DocumentResult(i, n), start) for i, (n, start) in
             enumerate(zip(boundaries.lengths, boundaries.starts, strict=False))]
     layout = LayoutResult("training step", boundaries.lengths, boundaries.num_pad_tokens, [d.result for d in docs])
@@ -410,6 +411,8 @@ def _check(step: Step, batch: dict[str, Any], model: torch.nn.Module, name: str,
             report.error = f"{type(err).__name__}: {err}"
             layout.ok = False
             return report
+        if given_atol is None and packed.values is not None:  # a step under autocast returns its lower precision
+            atol = report.atol = dtype_tolerance(model, packed.values.dtype, boundaries.device)
         seen = packed.values is not None and packed.values.shape[1] in (t_len, t_len - 1)
         if per_token and not seen:
             raise InputError("per_token: the step's model returned no per-token log_probs / logits of the batch's "

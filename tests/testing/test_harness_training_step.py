@@ -15,7 +15,7 @@ from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import InputError
 from hybrid_pack.loss import packed_loss, token_logprobs
 from hybrid_pack.schema import INPUT_IDS, LABELS
-from hybrid_pack.testing import check_isolation, check_training_step
+from hybrid_pack.testing import DEFAULT_ATOL, check_isolation, check_training_step
 from tests.testing.leaky_zoo import LEAKY, ToyLM, clean_mixers
 
 DIM = 16
@@ -150,3 +150,16 @@ def test_a_trainer_is_checked_on_its_first_batch_and_left_as_it_was() -> None:
     assert trainer.total_tokens == 0 and trainer.metrics == {"loss": []}
     assert torch.equal(head.grad, torch.ones_like(head)) and torch.equal(torch.get_rng_state(), state)
     assert trainer.model.training is True           # the mode it had (ToyLM starts in training mode)
+
+
+def test_a_step_under_autocast_is_judged_at_its_precision() -> None:
+    model = _model(clean_mixers(DIM)).float()
+
+    def bf16_step(batch: dict[str, Any]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(**batch).logits
+
+    plain = check_training_step(lambda batch: model(**batch).logits, _batch(), model=model)
+    lowered = check_training_step(bf16_step, _batch(), model=model)
+    assert plain.atol == DEFAULT_ATOL[torch.float32]
+    assert lowered.atol == DEFAULT_ATOL[torch.bfloat16] and lowered.ok, str(lowered)
