@@ -38,6 +38,9 @@ __all__ = ["PackedBoundaries"]
 View = TypeVar("View")
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _fail(field: str, expected: str, got: str) -> None:
     raise BoundaryError(f"{field}: expected {expected}; got {got}")
 
@@ -168,7 +171,7 @@ class PackedBoundaries:
         if num_pad_tokens and int(arr[-1]) != num_pad_tokens:
             _fail(NUM_PAD_TOKENS, "the length of the last segment", f"{num_pad_tokens} vs {int(arr[-1])}")
         total = int(arr.sum())
-        if total > np.iinfo(np.int32).max:
+        if total > _INT32_MAX:
             _fail("lengths", "a total below 2**31 tokens (cu_seqlens is int32)", f"{total}")
         cu_seqlens, seq_idx, position_ids = boundary_arrays(arr)
         return cls(
@@ -184,10 +187,10 @@ class PackedBoundaries:
     def from_document_lengths(cls, document_lengths: Sequence[int] | np.ndarray | torch.Tensor, *,
                               num_pad_tokens: int = 0, device: torch.device | str | None = None) -> PackedBoundaries:
         """Boundaries of documents with these lengths, followed by a padding segment of ``num_pad_tokens``."""
-        lengths = _as_int_array("document_lengths", document_lengths, ndim_ok=(1,)).tolist()
+        lengths = _as_int_array("document_lengths", document_lengths, ndim_ok=(1,))
         if num_pad_tokens < 0:
             _fail(NUM_PAD_TOKENS, ">= 0", str(num_pad_tokens))
-        return cls.from_lengths(lengths + ([num_pad_tokens] if num_pad_tokens else []), device,
+        return cls.from_lengths(np.append(lengths, num_pad_tokens) if num_pad_tokens else lengths, device,
                                 num_pad_tokens=num_pad_tokens)
 
     @classmethod
