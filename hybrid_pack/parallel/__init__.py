@@ -1,0 +1,1 @@
+"""Parallelism applied to a model: FSDP2 sharding (``fsdp.py``)."""
