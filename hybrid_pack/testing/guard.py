@@ -32,6 +32,7 @@ from torch import nn
 from typing_extensions import Self
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
 from hybrid_pack.schema import (
     ATTENTION_MASK,
@@ -48,7 +49,7 @@ from hybrid_pack.schema import (
     SEQ_IDX,
 )
 from hybrid_pack.testing.isolation import _logits, _origin, _record_calls, dtype_tolerance
-from hybrid_pack.testing.ranks import Group, agree_max, gather_rows, global_rank, model_group, share_object
+from hybrid_pack.testing.ranks import global_rank, model_group
 
 __all__ = ["ACTIONS", "GuardRecord", "IsolationWarning", "PackingGuard"]
 
@@ -275,7 +276,7 @@ class PackingGuard:
                 module = self._first_leaking_module(batch, boundaries, worst, atol,
                                                     with_labels=compared == HIDDEN_STATES)
                 if group is not None:
-                    module = share_object(module, leak.group_rank, group)
+                    module = share_objects(module, group)[leak.group_rank]
         _synchronize(boundaries.device)
         record = GuardRecord(step=step, ok=leak is None, max_diff=max(diffs), documents=chosen,
                              seconds=time.perf_counter() - began, call=call, lengths=[lengths[d] for d in chosen],

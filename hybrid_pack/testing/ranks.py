@@ -2,23 +2,18 @@
 
 When a model's forward is a collective (FSDP2, FSDP1, DeepSpeed ZeRO-3), every rank must run the same
 sequence of forwards, whatever documents its own packed row holds; and a verdict reached on one rank must
-be reached on all, or the others wait forever at the next collective. These helpers find the group a
-model's forwards run on and make a check's run count and verdict the same on every rank of it.
+be reached on all, or the others wait forever at the next collective. :func:`model_group` finds the group
+a model's forwards run on; the guard agrees on it with :mod:`hybrid_pack.distributed`'s collectives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["agree_max", "gather_rows", "global_rank", "model_group", "share_object"]
+from hybrid_pack.distributed import Group
 
-Group = Any
-"""A ``torch.distributed.ProcessGroup`` (``dist.group.WORLD`` included)."""
+__all__ = ["global_rank", "model_group"]
 
 
 def model_group(model: nn.Module, group: Group | None = None) -> Group | None:
@@ -52,35 +47,6 @@ def _sharding_group(model: nn.Module) -> Group | None:
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return dist.group.WORLD
     return None
-
-
-def _device(group: Group) -> torch.device:
-    """Where the group's collectives take tensors (NCCL: the current CUDA device)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def agree_max(values: Sequence[float], group: Group) -> list[float]:
-    """Each value's maximum over the ranks of ``group`` (one ``all_reduce``)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=_device(group))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
-
-
-def gather_rows(values: Sequence[float], group: Group) -> list[list[float]]:
-    """Every rank's ``values`` (the same length on each), in group rank order (one ``all_gather``)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=_device(group))
-    rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, tensor, group=group)
-    return [row.tolist() for row in rows]
-
-
-def share_object(value: Any, source: int, group: Group) -> Any:
-    """``value`` as the rank of group rank ``source`` holds it, on every rank."""
-    values: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values[source]
 
 
 def global_rank(group: Group, group_rank: int) -> int:
