@@ -2,7 +2,8 @@
 
 ``qwen3-next-tiny`` sharded with FSDP2 (``apply_fsdp``: every decoder block and the root), the guard attached
 with ``every=1, documents=3``, a few optimizer steps on packed rows whose document count depends on the rank.
-Writes ``{"records": [...], "error": ...}`` to ``OUT.rank<r>.json``.
+Then the harness on the same model (``check_training_step``), rank 0's batch holding one document, rank 1's
+six. Writes ``{"records": [...], "error": ..., "harness": {"ok", "leak_rank", ...}}`` to ``OUT.rank<r>.json``.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_guard.py OUT SCENARIO
 
@@ -26,7 +27,7 @@ from hybrid_pack import PackedBoundaries
 from hybrid_pack.errors import IsolationError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel.fsdp import apply_fsdp
-from hybrid_pack.testing import PackingGuard
+from hybrid_pack.testing import PackingGuard, check_training_step
 
 TOKENS = 48
 STEPS = 3
@@ -39,7 +40,7 @@ def row(documents: int, step: int, vocab: int) -> dict:
     cuts = sorted(torch.randperm(TOKENS - 1, generator=generator)[:documents - 1].add(1).tolist())
     lengths = [b - a for a, b in zip([0, *cuts], [*cuts, TOKENS], strict=True)]
     ids = torch.randint(0, vocab, (1, TOKENS), generator=generator)
-    return {"input_ids": ids, "labels": ids.clone(), "boundaries": PackedBoundaries.from_lengths(lengths)}
+    return {"input_ids": ids, "labels": ids.clone(), **PackedBoundaries.from_lengths(lengths).hf_kwargs()}
 
 
 def previous_token_leak(module: torch.nn.Module, args: tuple) -> tuple:
@@ -71,6 +72,10 @@ def main(out: str, scenario: str) -> None:
         result["error"] = str(error)
     result["seconds"] = time.perf_counter() - began
     result["records"] = [r.to_dict() for r in guard.records]
+    guard.detach()
+    report = check_training_step(model, row(1 + 5 * rank, STEPS, model.config.vocab_size))
+    result["harness"] = {"ok": report.ok, "error": report.error, "documents": len(report.documents),
+                         "leak_rank": report.layouts[0].leak_rank, "module": report.first_leaking_module}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
