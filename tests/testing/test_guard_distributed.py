@@ -40,6 +40,9 @@ def test_a_leak_seen_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
         assert not record["ok"] and record["leak_rank"] == 1
     assert ranks[0]["records"][0]["max_diff"] == 0.0   # rank 0's rows hold one document: nothing to see there
     assert ranks[0]["records"][0]["first_leaking_module"] == ranks[1]["records"][0]["first_leaking_module"]
+    for result in ranks:                               # action="warn": every rank warns once, naming rank 1
+        (warning,) = result["warnings"]
+        assert "Found on rank 1" in warning
     for result in ranks:                               # the harness on a training step: the same verdict
         harness = result["harness"]
         assert not harness["ok"] and harness["leak_rank"] == 1 and harness["error"] is None

@@ -10,7 +10,8 @@ six. Writes ``{"records": [...], "error": ..., "harness": {"ok", "leak_rank", ..
 Scenarios:
     uneven: rank r's rows hold ``DOCUMENTS[r]`` documents each (1, 2 and 6 over three steps, rotated per rank).
     leak: every layer's input gets a little of the previous token (across documents): a leak that only a row
-        with two documents or more can show; rank 0's rows hold one document, rank 1's several.
+        with two documents or more can show; rank 0's rows hold one document, rank 1's several. After the
+        error, one more call with a guard that warns (``action="warn"``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import datetime
 import json
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from hybrid_pack import PackedBoundaries
 from hybrid_pack.errors import IsolationError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel.fsdp import apply_fsdp
-from hybrid_pack.testing import PackingGuard, check_training_step
+from hybrid_pack.testing import IsolationWarning, PackingGuard, check_training_step
 
 TOKENS = 48
 STEPS = 3
@@ -73,6 +75,11 @@ def main(out: str, scenario: str) -> None:
     result["seconds"] = time.perf_counter() - began
     result["records"] = [r.to_dict() for r in guard.records]
     guard.detach()
+    if scenario == "leak":
+        with PackingGuard(model, every=1, action="warn"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(**row(DOCUMENTS[scenario][rank][0], 0, model.config.vocab_size))
+        result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, IsolationWarning)]
     report = check_training_step(model, row(1 + 5 * rank, STEPS, model.config.vocab_size))
     result["harness"] = {"ok": report.ok, "error": report.error, "documents": len(report.documents),
                          "leak_rank": report.layouts[0].leak_rank, "module": report.first_leaking_module}
