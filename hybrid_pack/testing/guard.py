@@ -272,7 +272,7 @@ class PackingGuard:
             if group is not None:
                 leak = _agree_on_leak(leak, group)
             module = None
-            if leak is not None and self.localize:    # every rank reruns its worst document; the finder's counts
+            if leak is not None and self.localize:    # every rank reruns its worst document; the finder's names it
                 module = self._first_leaking_module(batch, boundaries, worst, atol,
                                                     with_labels=compared == HIDDEN_STATES)
                 if group is not None:
@@ -337,7 +337,8 @@ class PackingGuard:
                    f"(tolerance {leak.atol:.3g}, {record.compared}): the model mixes the documents of a packed "
                    "row. ")
         if leak.rank is not None:
-            message = f"[rank {record.rank}] " + message + f"Found on rank {leak.rank}; every rank stops. "
+            stops = "warns" if self.action == "warn" else "stops"
+            message = f"[rank {record.rank}] " + message + f"Found on rank {leak.rank}; every rank {stops}. "
         if record.first_leaking_module is not None:
             message += f"First leaking module: {record.first_leaking_module}. "
         elif not self.localize:

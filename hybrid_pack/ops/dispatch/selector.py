@@ -202,7 +202,7 @@ def verdict_for(backend: Backend, signature: Signature, device: torch.device,
         if _tracing():
             return None
         known = check_now(backend, signature, device, requires_grad)
-    return agreement.agree(key, known)
+    return known if _tracing() else agreement.agree(key, known)     # no collective inside a graph capture
 
 
 def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requires_grad: bool,
