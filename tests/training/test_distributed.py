@@ -13,6 +13,7 @@ from tests.workers.launch import torchrun as _torchrun
 
 WORKER = "dist_sampler.py"
 TRAINER_WORKER = "hf_trainer.py"
+TRAINER_FSDP_WORKER = "hf_trainer_fsdp.py"
 
 
 @pytest.mark.distributed
@@ -59,3 +60,15 @@ def test_two_process_hf_trainer_gets_each_ranks_steps_and_resumes_exactly(tmp_pa
         assert full[rank]["seen"] == expected
         resumed = json.loads(Path(f"{out}.resumed.rank{rank}.json").read_text())
         assert resumed["seen"] == expected[checkpoint:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_packed_trainer_asked_for_fsdp_on_cpu_says_accelerate_does_not_shard_there(tmp_path):
+    """accelerate shards only on accelerators; on CPU the Trainer would silently train with DDP instead."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "fsdp"
+    _torchrun(TRAINER_FSDP_WORKER, str(out))
+    for rank in range(2):
+        error = json.loads(Path(f"{out}.rank{rank}.json").read_text())["error"]
+        assert error is not None and error.startswith("fsdp: asked for, but accelerate did not shard"), error
