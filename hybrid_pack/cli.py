@@ -122,6 +122,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     table.add_row("packs per epoch (lower bound) / steps",
                   f"{metrics['packs_per_epoch']} ({metrics['packs_lower_bound']}) / {metrics['steps']}")
     table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
+    if "fsdp" in metrics:
+        table.add_row("sharded with FSDP2", f"{metrics['world_size']} ranks, {metrics['fsdp']['mixed_precision']}")
     if metrics.get("isolation_ok") is not None:
         table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
     for decision in metrics.get("backends", []):
