@@ -216,12 +216,12 @@ class HybridForCausalLM(nn.Module):
             hidden_states = self.model(boundaries, input_ids=input_ids.reshape(1, -1))
         else:
             hidden_states = self.model(boundaries, inputs_embeds=inputs_embeds.reshape(1, rows * tokens, -1))
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states.view(rows, tokens, -1))   # not a view: FSDP2 hooks the output
         loss = None
         if labels is not None:
-            loss = packed_loss(logits, labels.reshape(1, rows * tokens), boundaries=boundaries,
-                               num_items_in_batch=num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits.view(rows, tokens, -1))
+            loss = packed_loss(logits.view(1, rows * tokens, -1), labels.reshape(1, rows * tokens),
+                               boundaries=boundaries, num_items_in_batch=num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
 
     def save_pretrained(self, directory: str | PathLike[str]) -> None:
         """Write ``config.json`` and ``pytorch_model.bin`` (the state dict) to ``directory``."""

@@ -29,9 +29,11 @@ class TrainConfig:
         compare_padded: also train the same examples, in the same order and groups, in padded batches.
         isolation_check: run the cross-contamination harness on the model first.
         checkpoint_every: optimizer steps between checkpoints (0 = only at the end).
-        resume: continue from ``out/checkpoint.pt``.
+        resume: continue from ``out/checkpoint.pt`` (``out/checkpoint/`` with ``fsdp``).
         guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
             micro-batch and every N-th after it against its documents run alone; 0 turns it off.
+        fsdp: under torchrun, shard the model with FSDP2 (every decoder block and the root) instead of DDP,
+            checkpoints with ``torch.distributed.checkpoint`` (:mod:`hybrid_pack.training.sharded`).
     """
 
     model: str = "qwen3-next-tiny"
@@ -56,6 +58,7 @@ class TrainConfig:
     resume: bool = False
     guard_every: int = DEFAULT_GUARD_EVERY
     log_every: int = 1
+    fsdp: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:

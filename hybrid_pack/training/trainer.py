@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,13 @@ from hybrid_pack.training.config import TrainConfig
 from hybrid_pack.training.data import build_features, load_chats
 from hybrid_pack.training.loop import REAL_TOKENS, MicroBatch, build_optimizer, train_pass
 from hybrid_pack.training.plots import plot_loss, plot_pack_fill
+from hybrid_pack.training.sharded import (
+    SHARDED_CHECKPOINT,
+    ShardedCheckpointSaver,
+    load_sharded_checkpoint,
+    parameters_checksum,
+    shard_model,
+)
 from hybrid_pack.training.stats import RunStats
 
 __all__ = ["IsolationFailed", "build_model", "train"]
@@ -87,10 +94,15 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     metrics = _run_metrics(cfg, proc, features)
     if cfg.isolation_check:
         _check_isolation_first(model, cfg, proc, metrics)
+    if cfg.fsdp:  # FSDP2's mixed-precision policy casts, not autocast
+        metrics["fsdp"] = shard_model(model, proc.device, proc.world)
+        metrics["dtype"] = metrics["fsdp"]["dtype"]
+        proc = replace(proc, autocast=None)
     lengths = [len(f[INPUT_IDS]) for f in features]
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=proc.world, rank=proc.rank, seed=cfg.seed)
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
-    guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed).attach() if cfg.guard_every else None
+    guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed,
+                         group=dist.group.WORLD if proc.world > 1 else None).attach() if cfg.guard_every else None
     try:
         stats = _train_packed(model, features, sampler, cfg, proc, guard)
     except IsolationError:
@@ -185,13 +197,17 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
                   cfg: TrainConfig, proc: _Process, guard: PackingGuard | None) -> RunStats:
     """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step."""
     total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
-    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
+    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 and not cfg.fsdp else model
     optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
     start_step, stats = 0, RunStats()
-    if cfg.resume:
+    if cfg.resume and cfg.fsdp:
+        start_step, stats = load_sharded_checkpoint(proc.out / SHARDED_CHECKPOINT, model, optimizer, scheduler,
+                                                    sampler)
+    elif cfg.resume:
         start_step, stats = load_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, proc.device)
-    saver = CheckpointSaver(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, stats,
-                            every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
+    saver = (ShardedCheckpointSaver if cfg.fsdp else CheckpointSaver)(
+        proc.out / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT), model, optimizer, scheduler, sampler, stats,
+        every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
     steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups)
     return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device, autocast=proc.autocast,
                       world=proc.world, describe="packed", optimizer=optimizer, scheduler=scheduler, stats=stats,
@@ -210,7 +226,7 @@ def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatc
         tokens_per_second = float(tokens / seconds) if float(seconds) > 0 else 0.0
     fills = _pack_fills(stats, lengths, cfg.capacity)
     return {
-        "parameters_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "parameters_checksum": parameters_checksum(model),
         "steps": len(stats.losses), "packs": len(stats.groups), "real_tokens": stats.real_tokens,
         "tokens_per_second": tokens_per_second, "packing_efficiency": sampler.plan.efficiency,
         "packs_lower_bound": sampler.plan.lower_bound, "packs_per_epoch": sampler.num_packs,
@@ -238,6 +254,10 @@ def _write_metrics(proc: _Process, metrics: dict[str, Any], guard: PackingGuard 
         metrics["guard"] = guard.to_dict()
         if metrics.get("seconds"):
             metrics["guard"]["share_of_training_time"] = metrics["guard"]["seconds"] / metrics["seconds"]
+        if proc.world > 1:  # every rank's checks (their verdicts agree; their documents and times differ)
+            ranks: list[Any] = [None] * proc.world
+            dist.all_gather_object(ranks, metrics["guard"])
+            metrics["guard"]["ranks"] = ranks
     if proc.rank == 0:
         (proc.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
 
