@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from hybrid_pack.packing import PackedBatchSampler
+from tests.kit import torchrun
 
 WORKER = Path(__file__).parents[1] / "workers" / "dist_sampler.py"
 TRAINER_WORKER = Path(__file__).parents[1] / "workers" / "hf_trainer.py"
 
 
 def _torchrun(script: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(script), *args]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(script, *args, nproc=2)
 
 
 @pytest.mark.distributed

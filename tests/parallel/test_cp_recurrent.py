@@ -1,0 +1,84 @@
+"""Gated DeltaNet and the SSD on a row split across 2 and 4 gloo processes equal the unsharded op (SPEC §10).
+
+One torchrun launch per group size runs every case (tests/workers/cp_recurrent.py): each layout of
+``LAYOUTS`` (a document over four ranks, ranks holding only a document's middle, documents ending on
+rank edges, one-token documents on both sides of an edge, ranks holding only padding, padding
+continuing across an edge) for each signature of ``CASES`` (grouped value heads, initial states,
+q/k L2 norm; SSD with D, z, dt_bias and groups). Outputs, final states of the documents ending on a
+rank and the gradients of every input, float64, within 1e-10 of the whole row's; a loss on one
+document puts exactly zero gradient on every other document's inputs on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops import gated_delta_rule
+from hybrid_pack.parallel import ShardedBoundaries
+from hybrid_pack.parallel.state_passing import state_chain
+from tests.kit import Layout, torchrun
+from tests.workers.cp_recurrent import CASES, LAYOUTS
+
+WORKER = Path(__file__).parents[1] / "workers" / "cp_recurrent.py"
+TOLERANCE = 1e-10
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}_ranks")
+def ranks(request, tmp_path_factory) -> list[dict]:
+    """Every rank's results of one launch of the worker on ``param`` processes."""
+    out = tmp_path_factory.mktemp("cp_recurrent") / "out"
+    torchrun(WORKER, str(out), nproc=request.param)
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text())["results"] for r in range(request.param)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [f"{c}/{layout}" for c in CASES for layout in LAYOUTS])
+def test_sharded_equals_unsharded_forward_and_backward(ranks, case):
+    for rank, results in enumerate(ranks):
+        errors = results[case]
+        assert "output" in errors and any(name.startswith("d") for name in errors), errors
+        beyond = {name: error for name, error in errors.items() if not error <= TOLERANCE}
+        assert not beyond, f"rank {rank}: {beyond}"
+
+
+@pytest.mark.distributed
+def test_no_gradient_crosses_documents_across_ranks(ranks):
+    isolation = {key for key in ranks[0] if "/isolation of document" in key}
+    assert len(isolation) >= len(CASES) * len(LAYOUTS)
+    for key in isolation:
+        assert all(results[key]["other_documents"] == 0.0 for results in ranks), key
+        assert any(results[key]["own_document"] > 0 for results in ranks), f"{key}: no gradient at all"
+
+
+@pytest.mark.distributed
+def test_boundaries_of_another_group_raise_input_error(ranks):
+    for results in ranks:
+        message = results["bad_input"]["other_group"]
+        assert message.startswith("boundaries:") and "shard_batch" in message, message
+
+
+@pytest.mark.parametrize(("layout", "world_size", "expected"), [
+    (LAYOUTS["spans_four_ranks"], 4, {0: (), 1: (0,), 2: (0, 1), 3: (0, 1, 2)}),
+    (LAYOUTS["ends_on_edges"], 4, {0: (), 1: (), 2: (), 3: (2,)}),
+    (LAYOUTS["padding_only_ranks"], 4, {0: (), 1: (0,), 2: (1,), 3: (1, 2)}),
+    (Layout("no_crossing", (48, 48)), 2, {0: (), 1: ()}),
+], ids=lambda x: x.name if isinstance(x, Layout) else None)
+def test_state_chain_names_the_ranks_each_incoming_state_folds(layout, world_size, expected):
+    row = layout.boundaries()
+    chains = {r: state_chain(ShardedBoundaries.from_row(row, group=None, rank=r, world_size=world_size))
+              for r in range(world_size)}
+    assert {r: chain.sources for r, chain in chains.items()} == expected
+    assert all(chain.exchanges == any(expected.values()) for chain in chains.values())
+
+
+def test_sharded_boundaries_without_a_process_group_raise_input_error():
+    row = LAYOUTS["spans_four_ranks"].boundaries()
+    sharded = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2)
+    q = torch.randn(1, sharded.total_tokens, 1, 4)
+    with pytest.raises(InputError, match="boundaries: .*torch.distributed"):
+        gated_delta_rule(q, q, q, q[..., 0] * 0, q[..., 0] * 0 + 1, sharded)
