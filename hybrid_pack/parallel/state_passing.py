@@ -128,9 +128,9 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, summary: torch.Tensor, group: Any, rank: int, world_size: int) -> torch.Tensor:
         ctx.group, ctx.rank = group, rank
-        gathered = summary.new_empty(world_size * summary.numel())
-        dist.all_gather_into_tensor(gathered, summary.contiguous(), group=group)
-        return gathered.view(world_size, -1)
+        gathered = summary.new_empty(world_size, summary.numel())
+        dist.all_gather(list(gathered.unbind()), summary.contiguous(), group=group)
+        return gathered
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:

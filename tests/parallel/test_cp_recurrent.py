@@ -19,6 +19,9 @@ import torch
 
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import gated_delta_rule
+from hybrid_pack.ops.conv.kernel_fla_cp import fla_cp_serves as conv_fla_cp_serves
+from hybrid_pack.ops.fla_cp import FLA_CP
+from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves as gated_delta_fla_cp_serves
 from hybrid_pack.parallel import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import state_chain
 from tests.kit import Layout, torchrun
@@ -60,6 +63,33 @@ def test_boundaries_of_another_group_raise_input_error(ranks):
     for results in ranks:
         message = results["bad_input"]["other_group"]
         assert message.startswith("boundaries:") and "shard_batch" in message, message
+
+
+@pytest.mark.distributed
+def test_collective_self_check_passes_sound_fails_wrong_and_the_group_agrees(ranks):
+    for rank, results in enumerate(ranks):
+        verdicts = results["collective_check"]
+        assert verdicts["sound"] == ""
+        expected = "differs from the pure-torch path" if rank == 0 else "failed on another rank of the group"
+        assert expected in verdicts["wrong_on_rank_0"], verdicts
+        assert "raised RuntimeError: kernel failed to compile" in verdicts["raises"], verdicts
+
+
+@pytest.mark.parametrize("op", ["gated_delta", "conv"])
+def test_fla_context_parallelism_is_refused_on_cpu_with_the_reason(op):
+    """Forced, it raises naming why; by default, or with another backend forced, the pure-torch path serves."""
+    sharded = ShardedBoundaries.from_row(LAYOUTS["spans_four_ranks"].boundaries(), group=None, rank=0, world_size=2)
+    x = torch.randn(1, sharded.total_tokens, 2, 4)
+    if op == "gated_delta":
+        def serves(backend):
+            return gated_delta_fla_cp_serves(backend, None, x, x, x, x[..., 0], x[..., 0], sharded,
+                                             initial_state=None, output_final_state=False, use_qk_l2norm=False)
+    else:
+        def serves(backend):
+            return conv_fla_cp_serves(backend, None, x[..., 0], torch.randn(2, 4), None, sharded, activation=None)
+    assert serves(None) is False and serves("torch") is False
+    with pytest.raises(RuntimeError, match=f"backend 'fla_cp' for {op} cannot run here: .*CUDA over NCCL only"):
+        serves(FLA_CP)
 
 
 @pytest.mark.parametrize(("layout", "world_size", "expected"), [

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import gated_delta_rule
+from hybrid_pack.ops.dispatch.cp_check import adversarial_cp_row, cp_verdict
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import (
     Layout,
@@ -77,19 +78,26 @@ def _ending_here(sharded: ShardedBoundaries) -> list[int]:
             if i < sharded.num_segments - 1 or not sharded.continues_into_next]
 
 
-def compare(op: str, signature, row, sharded: ShardedBoundaries) -> dict[str, float]:
-    """Outputs, final states and the gradients of one random projection, sharded against unsharded."""
-    kind = "gated_delta" if op.startswith("gated_delta") else "ssd"
+def op_of(case_name: str) -> str:
+    """The op a case name starts with."""
+    return next(op for op in ("gated_delta", "ssd", "conv") if case_name.startswith(op))
+
+
+def compare(name: str, signature, row, sharded: ShardedBoundaries, sharded_fn=None) -> dict[str, float]:
+    """Outputs, final states and the gradients of one random projection, sharded (through ``sharded_fn``, by
+    default the public op's pure-torch backend) against the unsharded pure-torch op."""
+    kind = op_of(name)
     fn = public_op(kind)
+    sharded_fn = sharded_fn or fn
     case = op_inputs(kind, signature, row, seed=0)
     full = run(kind, fn, case, row)
-    weights = projection(full, seed=1)
+    weights = {name: w.to(full[name].device) for name, w in projection(full, seed=1).items()}
     full_grads = gradients(sum((out * weights[name]).sum() for name, out in full.items()), case.arguments)
 
     lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
     first, ending = sharded.first_segment, _ending_here(sharded)
     local_args = _local_arguments(case, row, sharded)
-    local = run(kind, fn, case, sharded, local_args)
+    local = run(kind, sharded_fn, case, sharded, local_args)
     errors = {"output": _worst(local["output"], full["output"][:, lo:hi])}
     loss = (local["output"] * weights["output"][:, lo:hi]).sum()
     if "final_state" in full:
@@ -112,10 +120,10 @@ def compare(op: str, signature, row, sharded: ShardedBoundaries) -> dict[str, fl
     return errors
 
 
-def leaked(op: str, signature, row, sharded: ShardedBoundaries, document: int) -> dict[str, float]:
+def leaked(name: str, signature, row, sharded: ShardedBoundaries, document: int) -> dict[str, float]:
     """The loss is ``document``'s outputs on every rank; the largest gradient this rank sees on any other
     document's tokens or initial state (must be exactly 0), and the largest on its own (should not be)."""
-    kind = "gated_delta" if op.startswith("gated_delta") else "ssd"
+    kind = op_of(name)
     case = op_inputs(kind, signature, row, seed=2)
     local_args = _local_arguments(case, row, sharded)
     out = run(kind, public_op(kind), case, sharded, local_args)["output"]
@@ -147,6 +155,27 @@ def bad_input(row, rank: int, world_size: int) -> dict[str, str]:
     return {"other_group": ""}
 
 
+def collective_check(rank: int, world_size: int) -> dict[str, str]:
+    """The context-parallel backends' collective self-check (:func:`cp_verdict`) on a sound candidate (the
+    pure-torch path itself), one wrong on rank 0 only, and one that raises (on every rank, before any
+    exchange, as a kernel that cannot compile does): each rank's verdict."""
+    signature = gated_delta_signature(heads=1, v_heads=2, k_dim=4, v_dim=3, output_final_state=False)
+    reference = public_op("gated_delta")
+    boundaries = ShardedBoundaries.from_row(adversarial_cp_row(world_size), group=None, rank=rank,
+                                            world_size=world_size)
+
+    def wrong_on_rank_0(*args, **kwargs):
+        o, state = reference(*args, **kwargs)
+        return (o * 1.001 if rank == 0 else o), state
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("kernel failed to compile")
+
+    candidates = {"sound": reference, "wrong_on_rank_0": wrong_on_rank_0, "raises": raises}
+    return {name: cp_verdict("gated_delta", f"test_{name}", fn, reference, signature, boundaries,
+                             torch.device("cpu"), True) for name, fn in candidates.items()}
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -162,6 +191,7 @@ def main(out: str) -> None:
             for document in sorted({longest, min(last_rank_first, row.num_docs - 1)}):
                 results[f"{name}/{layout.name}/isolation of document {document}"] = leaked(
                     name, signature, row, sharded, document)
+    results["collective_check"] = collective_check(rank, world_size)
     results["bad_input"] = bad_input(LAYOUTS["spans_four_ranks"].boundaries(), rank, world_size)
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "world_size": world_size, "results": results}, f)

@@ -16,10 +16,12 @@ numbers, whatever the row length.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
+from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves, gated_delta_rule_fla_cp
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
     check_group,
@@ -34,14 +36,19 @@ from hybrid_pack.parallel.state_passing import (
 __all__ = ["gated_delta_rule_cp"]
 
 
-def gated_delta_rule_cp(local_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], q: torch.Tensor,
+def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], q: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         boundaries: ShardedBoundaries, *, scale: float, initial_state: torch.Tensor | None,
-                        output_final_state: bool, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        output_final_state: bool, use_qk_l2norm: bool, backend: str | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's part of :func:`hybrid_pack.ops.gated_delta_rule` on the whole row.
 
+    flash-linear-attention's own context parallelism (:mod:`.kernel_fla_cp`) serves when ``backend`` is
+    None or ``"fla_cp"`` and it can take the call and passed its collective self-check; otherwise the
+    pure-torch exchange below runs around the single-device op with ``backend``.
+
     Args:
-        local_op: the single-device op (same arguments as the public op, backend chosen).
+        op: the public single-device op (called with plain boundaries and ``backend``).
         q, k: ``[1, T_local, H, K]``; v ``[1, T_local, HV, V]``; g, beta ``[1, T_local, HV]``.
         boundaries: this rank's :class:`ShardedBoundaries`.
         initial_state: ``[N_local, HV, K, V]`` for the local documents. A document's initial state belongs
@@ -56,6 +63,10 @@ def gated_delta_rule_cp(local_op: Callable[..., tuple[torch.Tensor, torch.Tensor
         rank (float64 inputs: equal to 1e-10).
     """
     check_group(boundaries)
+    if fla_cp_serves(backend, functools.partial(op, backend="torch"), q, k, v, g, beta, boundaries,
+                     initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm):
+        return gated_delta_rule_fla_cp(q, k, v, g, beta, boundaries, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    local_op = functools.partial(op, backend=backend)
     chain = state_chain(boundaries)
     if not chain.exchanges:
         return local_op(q, k, v, g, beta, boundaries.local(), scale=scale, initial_state=initial_state,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -56,9 +54,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     check_shape("initial_state", initial_state, (boundaries.num_docs, hv, k_dim, v_dim))
     scale = k_dim ** -0.5 if scale is None else float(scale)
     if isinstance(boundaries, ShardedBoundaries):
-        return gated_delta_rule_cp(functools.partial(gated_delta_rule, backend=backend), q, k, v, g, beta, boundaries,
-                                   scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                                   use_qk_l2norm=use_qk_l2norm)
+        return gated_delta_rule_cp(gated_delta_rule, q, k, v, g, beta, boundaries, scale=scale,
+                                   initial_state=initial_state, output_final_state=output_final_state,
+                                   use_qk_l2norm=use_qk_l2norm, backend=backend)
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype,
                    requires_grad=needs_grad(q, k, v, g, beta, initial_state),
                    inputs={"q": q, "k": k, "v": v, "g": g, "beta": beta},
