@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/bench_cp_recurrent.py [--ranks 2 4] [--tokens 4096 ... 65536]
 
-For each group size, one ``torch.distributed.run`` launch of this script (``--worker``) times, for every
-row length, forward + backward of ``sum(out * weight)`` of the unsharded op on the whole row (rank 0
-alone, the others waiting) and of each rank's slice through ``ShardedBoundaries`` (all ranks at once),
-and counts the bytes each rank passes to the collectives (forward all-gather and backward all-reduce
-of the state summaries). Times are process CPU seconds, best of ``--repeats``: on a 2-core machine
-shared with other work, R processes cannot run side by side, so wall time would measure the
-scheduler; per-rank CPU time is the work one device would do. The row's documents have random
+Times forward + backward of ``sum(out * weight)``: the unsharded op on the whole row in this process
+alone, then, for each group size, one ``torch.distributed.run`` launch of this script (``--worker``)
+runs each rank's slice through ``ShardedBoundaries`` (all ranks at once) and counts the bytes each rank
+passes to the collectives (forward all-gather and backward all-reduce of the state summaries). Times
+are process CPU seconds, best of ``--repeats``: on a 2-core machine shared with other work, R
+processes cannot run side by side, so wall time would measure the scheduler; per-rank CPU time is
+the work one device would do (R processes sharing 2 cores still slow each other: the sharded times
+are, if anything, pessimistic). The row's documents have random
 lengths (about ``--docs-per-4k`` per 4096 tokens), so documents cross rank edges.
 
 Tiny dims (GDN H=HV=2, K=V=16; SSD H=4, P=8, G=1, N=16), float32, torch backend, 1 thread per process.
@@ -112,6 +113,32 @@ def cpu_seconds(fn: Callable[[dict[str, torch.Tensor], PackedBoundaries], torch.
     return best
 
 
+def row_of(total: int, args: argparse.Namespace) -> PackedBoundaries:
+    """The benchmark's row of ``total`` tokens (the same in every process)."""
+    num_docs = max(2, args.docs_per_4k * total // 4096)
+    return PackedBoundaries.from_lengths(document_lengths(total, num_docs, np.random.default_rng(args.seed + total)))
+
+
+def inputs_and_weight(op: str, row: PackedBoundaries, args: argparse.Namespace
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    make_inputs, fn = OPS[op]
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = make_inputs(row.total_tokens, generator)
+    return inputs, torch.randn(fn(inputs, row).shape, generator=generator)
+
+
+def unsharded_times(args: argparse.Namespace) -> dict[tuple[str, int], float]:
+    """Every op on every whole row, in this process alone (nothing else of the benchmark running)."""
+    torch.set_num_threads(1)
+    times = {}
+    for total in args.tokens:
+        row = row_of(total, args)
+        for op, (_, fn) in OPS.items():
+            inputs, weight = inputs_and_weight(op, row, args)
+            times[op, total] = cpu_seconds(fn, inputs, row, weight, args.repeats)
+    return times
+
+
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -119,16 +146,11 @@ def worker(args: argparse.Namespace) -> None:
     counter = ByteCounter()
     rows = []
     for total in args.tokens:
-        lengths = document_lengths(total, max(2, args.docs_per_4k * total // 4096),
-                                   np.random.default_rng(args.seed + total))
-        row = PackedBoundaries.from_lengths(lengths)
+        row = row_of(total, args)
         sharded = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world_size)
         lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
-        for op, (make_inputs, fn) in OPS.items():
-            inputs = make_inputs(total, torch.Generator().manual_seed(args.seed))
-            weight = torch.randn_like(fn(inputs, row))
-            unsharded = cpu_seconds(fn, inputs, row, weight, args.repeats) if rank == 0 else 0.0
-            dist.barrier()
+        for op, (_, fn) in OPS.items():
+            inputs, weight = inputs_and_weight(op, row, args)
             local = {n: x[:, lo:hi] if n in TOKEN_DIM else x for n, x in inputs.items()}
             counter.sent = 0
             sharded_s = cpu_seconds(fn, local, sharded, weight[:, lo:hi], args.repeats)
@@ -136,8 +158,7 @@ def worker(args: argparse.Namespace) -> None:
             per_rank = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
             dist.all_gather(per_rank, torch.tensor([sharded_s, sent_per_call], dtype=torch.float64))
             if rank == 0:
-                rows.append({"op": op, "tokens": total, "ranks": world_size, "documents": len(lengths),
-                             "unsharded_cpu_s": unsharded,
+                rows.append({"op": op, "tokens": total, "ranks": world_size, "documents": row.num_docs,
                              "sharded_cpu_s_per_rank": [t[0].item() for t in per_rank],
                              "bytes_sent_per_rank": [int(t[1].item()) for t in per_rank]})
     if rank == 0:
@@ -159,6 +180,8 @@ def main() -> None:
         worker(args)
         return
 
+    print("unsharded, this process alone ...", flush=True)
+    unsharded = unsharded_times(args)
     rows = []
     for ranks in args.ranks:
         part = args.out.with_suffix(f".{ranks}.part")
@@ -168,7 +191,7 @@ def main() -> None:
                    "--docs-per-4k", str(args.docs_per_4k), "--repeats", str(args.repeats), "--seed", str(args.seed)]
         print(f"{ranks} ranks: {len(args.tokens)} row lengths x {len(OPS)} ops ...", flush=True)
         subprocess.run(command, check=True, env=env)
-        rows += json.loads(part.read_text())
+        rows += [{**r, "unsharded_cpu_s": unsharded[r["op"], r["tokens"]]} for r in json.loads(part.read_text())]
         part.unlink()
 
     result = {
