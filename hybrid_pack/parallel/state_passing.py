@@ -97,16 +97,19 @@ def segments_as_documents(boundaries: ShardedBoundaries) -> PackedBoundaries:
 
 
 def segment_initial_states(initial_states: torch.Tensor | None, boundaries: ShardedBoundaries, continues: bool,
-                           dtype: torch.dtype) -> torch.Tensor | None:
-    """Every local segment's starting state ``[S, ...]`` from the local documents' ``[N_local, ...]``: the
-    user's for documents starting here, zero for the padding segment and for a document continuing from
-    the previous rank (its initial state belongs to the rank where it starts). None stays None."""
+                           dtype: torch.dtype, *, padding: bool = True) -> torch.Tensor | None:
+    """The local segments' starting states from the local documents' ``[N_local, ...]``: the user's for
+    documents starting here, zero for a document continuing from the previous rank (its initial state
+    belongs to the rank where it starts) and, with ``padding``, a zero row for the padding segment
+    (``[S, ...]`` for :func:`segments_as_documents`). None stays None."""
     if initial_states is None:
         return None
-    padding = initial_states.new_zeros(boundaries.num_segments - boundaries.num_docs, *initial_states.shape[1:],
-                                       dtype=dtype)
-    states = torch.cat([initial_states.to(dtype), padding])
-    return torch.cat([states.new_zeros(1, *states.shape[1:]), states[1:]]) if continues else states
+    states = initial_states.to(dtype)
+    if padding:
+        states = torch.cat([states, states.new_zeros(boundaries.num_segments - boundaries.num_docs, *states.shape[1:])])
+    if continues and states.shape[0]:
+        states = torch.cat([states.new_zeros(1, *states.shape[1:]), states[1:]])
+    return states
 
 
 def check_group(boundaries: ShardedBoundaries) -> None:
@@ -165,7 +168,21 @@ def fold(chain: StateChain, summaries: torch.Tensor,
     return state
 
 
+class _Tie(torch.autograd.Function):
+    """``output`` unchanged; ``summaries`` get a zero gradient, so the backward reaches their all-gather."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+        ctx.summaries_like = (summaries.shape, summaries.dtype, summaries.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.summaries_like
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
 def tie(output: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """``output`` unchanged, but depending on ``summaries`` (with weight zero), so the backward of the
+    """``output`` unchanged, but depending on ``summaries`` (with a zero gradient), so the backward of the
     all-gather, a collective, runs on every rank even where nothing continues from the previous rank."""
-    return output + (summaries.sum() * 0).to(output.dtype)
+    return _Tie.apply(output, summaries)

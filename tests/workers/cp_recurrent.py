@@ -44,10 +44,12 @@ LAYOUTS = named(
 
 CASES = {
     "gated_delta": gated_delta_signature(heads=2, v_heads=4, k_dim=6, v_dim=5, initial_state=True),
-    "gated_delta_l2norm": gated_delta_signature(heads=2, v_heads=2, k_dim=4, v_dim=3, use_qk_l2norm=True),
+    "gated_delta_l2norm": gated_delta_signature(heads=2, v_heads=2, k_dim=4, v_dim=3, use_qk_l2norm=True,
+                                                output_final_state=False),
     "ssd": ssd_signature(heads=4, head_dim=3, groups=2, state_dim=5, chunk_size=16, D="H", z=True, dt_bias=True,
                          initial_states=True),
-    "ssd_plain": ssd_signature(heads=2, head_dim=2, groups=1, state_dim=3, chunk_size=8, dt_softplus=False),
+    "ssd_plain": ssd_signature(heads=2, head_dim=2, groups=1, state_dim=3, chunk_size=8, dt_softplus=False,
+                               return_final_states=False),
 }
 
 

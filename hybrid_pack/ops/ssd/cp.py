@@ -5,7 +5,9 @@ per head. An incoming state adds, at token ``t`` of the first segment, ``exp(s_t
 scan's output (``s_t`` the cumulative ``dt A`` from the segment's start), before the ``silu(z)`` gate;
 ``D x`` and the gate are local. So each rank runs the local op from zero (or the user's initial
 states), all-gathers ``(h0 of its last segment, the decay of its first)`` and folds what precedes it
-(:mod:`hybrid_pack.parallel.state_passing`); the correction is a product per token. Exchanged per
+(:mod:`hybrid_pack.parallel.state_passing`); the correction is a product per token. ``h0`` is computed
+in closed form over the last segment, so the local op is asked for no states it was not asked for by
+the caller, and any backend (mamba-ssm's kernel included) serves it. Exchanged per
 rank: ``world_size * H * (P * N + 1)`` numbers, whatever the row length.
 """
 
@@ -23,7 +25,6 @@ from hybrid_pack.parallel.state_passing import (
     fold,
     gather_summaries,
     segment_initial_states,
-    segments_as_documents,
     state_chain,
     tie,
 )
@@ -62,18 +63,34 @@ def mamba2_ssd_cp(local_op: Callable[..., torch.Tensor | tuple[torch.Tensor, tor
     heads, head_dim, groups, state_dim = x.shape[2], x.shape[3], B.shape[2], B.shape[3]
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     continues = bool(chain.sources)
-    starts = segment_initial_states(initial_states, boundaries, continues, cdtype)
-    y, finals = local_op(x, dt, A, B, C, segments_as_documents(boundaries), **kwargs, initial_states=starts,
-                         return_final_states=True)
+    starts = segment_initial_states(initial_states, boundaries, continues, cdtype, padding=False)
+    result = local_op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=starts,
+                      return_final_states=return_final_states)
+    y, finals = result if return_final_states else (result, None)
+    bias = None if dt_bias is None else dt_bias.to(cdtype)
+
+    def steps_and_log_decay(span: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dt`` as the op applies it and the inclusive cumulative ``dt A`` over ``span``, ``[L, H]`` each."""
+        step = discretize_dt(dt[0, span].to(cdtype), bias, dt_softplus)
+        return step, torch.cumsum(step * A.to(cdtype), dim=0)
+
+    # The last segment's final state, in closed form (so the local op need not return states, and any
+    # backend serves it): sum_t exp(s_end - s_t) dt_t x_t B_t^T, plus its starting state decayed.
+    last = boundaries.segment_lengths[-1]
+    step, log_decay = steps_and_log_decay(slice(-last, None))
+    b_heads = B[0, -last:].to(cdtype).repeat_interleave(heads // groups, dim=1)         # [last, H, N]
+    last_state = torch.einsum("th,thp,thn->hpn", (log_decay[-1] - log_decay).exp() * step,
+                              x[0, -last:].to(cdtype), b_heads)
+    if starts is not None and boundaries.num_segments == boundaries.num_docs:  # the last segment is a document
+        last_state = last_state + log_decay[-1].exp()[:, None, None] * starts[-1]
     first = boundaries.segment_lengths[0]
     if continues:
-        step = discretize_dt(dt[0, :first].to(cdtype), None if dt_bias is None else dt_bias.to(cdtype), dt_softplus)
-        log_decay = torch.cumsum(step * A.to(cdtype), dim=0)           # [first, H], inclusive
-        transition = log_decay[-1].exp()                                # [H]
+        _, log_decay = steps_and_log_decay(slice(0, first))                            # [first, H]
+        transition = log_decay[-1].exp()                                                # [H]
     else:
-        transition = finals.new_zeros(heads)
+        transition = last_state.new_zeros(heads)
 
-    summaries = gather_summaries(torch.cat([finals[-1].flatten(), transition]), boundaries)
+    summaries = gather_summaries(torch.cat([last_state.flatten(), transition]), boundaries)
 
     def unpack(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return row[:-heads].view(heads, head_dim, state_dim), row[-heads:]
@@ -85,6 +102,7 @@ def mamba2_ssd_cp(local_op: Callable[..., torch.Tensor | tuple[torch.Tensor, tor
         if z is not None:
             correction = correction * F.silu(z[0, :first].to(cdtype))
         y = torch.cat([y[:, :first] + correction.to(y.dtype), y[:, first:]], dim=1)
-        finals = torch.cat([finals[:1] + transition[:, None, None] * incoming, finals[1:]])
+        if finals is not None and boundaries.num_docs:
+            finals = torch.cat([finals[:1] + transition[:, None, None] * incoming, finals[1:]])
     y = tie(y, summaries)
-    return (y, finals[: boundaries.num_docs]) if return_final_states else y
+    return (y, finals) if return_final_states else y
