@@ -85,8 +85,8 @@ def mamba2_ssd_cp(local_op: Callable[..., torch.Tensor | tuple[torch.Tensor, tor
         last_state = last_state + log_decay[-1].exp()[:, None, None] * starts[-1]
     first = boundaries.segment_lengths[0]
     if continues:
-        _, log_decay = steps_and_log_decay(slice(0, first))                            # [first, H]
-        transition = log_decay[-1].exp()                                                # [H]
+        _, first_log_decay = steps_and_log_decay(slice(0, first))                      # [first, H]
+        transition = first_log_decay[-1].exp()                                          # [H]
     else:
         transition = last_state.new_zeros(heads)
 
@@ -98,7 +98,7 @@ def mamba2_ssd_cp(local_op: Callable[..., torch.Tensor | tuple[torch.Tensor, tor
     incoming = fold(chain, summaries, unpack, lambda m, h: m[:, None, None] * h)  # [H, P, N] or None
     if incoming is not None:
         c_heads = C[0, :first].to(cdtype).repeat_interleave(heads // groups, dim=1)  # [first, H, N]
-        correction = torch.einsum("hpn,thn->thp", incoming, c_heads) * log_decay.exp()[..., None]
+        correction = torch.einsum("hpn,thn->thp", incoming, c_heads) * first_log_decay.exp()[..., None]
         if z is not None:
             correction = correction * F.silu(z[0, :first].to(cdtype))
         y = torch.cat([y[:, :first] + correction.to(y.dtype), y[:, first:]], dim=1)
