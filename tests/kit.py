@@ -376,3 +376,7 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
         return result
 
     return planted
+
+
+# ---------------------------------------------------------------- several processes
+
