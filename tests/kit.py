@@ -37,7 +37,7 @@ __all__ = [
     "attention_signature", "conv_signature", "gated_delta_signature", "ssd_signature",
     "op_inputs", "segment_spans", "segment_arguments", "run", "projection", "gradients", "forward_backward",
     "assert_packed_equals_segments_alone", "assert_no_gradient_crosses_segments",
-    "DEFECTS", "with_defect",
+    "DEFECTS", "with_defect", "torchrun",
 ]
 
 OpFn = Callable[..., Any]
@@ -376,3 +376,17 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
         return result
 
     return planted
+
+
+# ---------------------------------------------------------------- multi-process runs
+def torchrun(script: Any, *args: str, nproc: int = 2, timeout: float = 300) -> None:
+    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` CPU (gloo) processes; fail with its output."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(script), *args]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

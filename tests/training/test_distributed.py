@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from hybrid_pack.packing import PackedBatchSampler
+from tests.kit import torchrun
 
 WORKER = Path(__file__).parents[1] / "workers" / "dist_sampler.py"
 TRAINER_WORKER = Path(__file__).parents[1] / "workers" / "hf_trainer.py"
 
 
-def _torchrun(script: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(script), *args]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
 @pytest.mark.distributed
 def test_two_process_torchrun_sees_every_example_once(tmp_path):
     out = tmp_path / "gathered.json"
-    _torchrun(WORKER, str(out))
+    torchrun(WORKER, str(out))
 
     record = json.loads(out.read_text())
     ranks = record["ranks"]
@@ -51,13 +41,13 @@ def test_two_process_hf_trainer_gets_each_ranks_steps_and_resumes_exactly(tmp_pa
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     out = tmp_path / "run"
-    _torchrun(TRAINER_WORKER, str(out))
+    torchrun(TRAINER_WORKER, str(out))
     full = [json.loads(Path(f"{out}.full.rank{r}.json").read_text()) for r in range(2)]
     settings = full[0]
     steps_per_epoch = len(PackedBatchSampler(settings["lengths"], settings["capacity"], num_replicas=2, rank=0))
     checkpoint = 40
     assert steps_per_epoch < checkpoint < 2 * steps_per_epoch, "the checkpoint must fall inside the second epoch"
-    _torchrun(TRAINER_WORKER, str(out), str(out / f"checkpoint-{checkpoint}"))
+    torchrun(TRAINER_WORKER, str(out), str(out / f"checkpoint-{checkpoint}"))
 
     for rank in range(2):
         expected = []

@@ -14,8 +14,8 @@ import copy
 import json
 import sys
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -164,7 +164,8 @@ def check_errors(rank: int, world: int) -> None:
     expect_input_error("boundaries", lambda: conv(x, torch.randn(4, 3), None, wrong))
     halves = [dist.new_group(list(range(world))[half::2]) for half in (0, 1)]  # every rank makes both
     foreign = ShardedBoundaries.from_row(shard.row, group=halves[1 - rank % 2], rank=0, world_size=world // 2)
-    expect_input_error("boundaries", lambda: conv(x.repeat(1, world // 2, 1), torch.randn(4, 3), None, foreign))
+    expect_input_error("boundaries", lambda: conv(torch.randn(1, foreign.total_tokens, 4), torch.randn(4, 3), None,
+                                                  foreign))
     model = attention_model()
     with PackingGuard(model, every=1):
         expect_input_error("boundaries", lambda: model(**shard_batch(batch)))
