@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybrid_pack import PackingCollator
+from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
@@ -108,8 +108,13 @@ def packed_batch(layout: Layout, vocab: int, seed: int) -> dict:
     return PackingCollator(pack_length=layout.total_tokens)(features)
 
 
-def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torch.dtype, world: int) -> None:
-    """Logits slice, loss shares summing to the loss, summed gradients equal to the unsharded ones."""
+def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torch.dtype, world: int, *,
+                loss_dtype: torch.dtype | None = None) -> None:
+    """Logits slice, loss shares summing to the loss, summed gradients equal to the unsharded ones.
+
+    ``loss_dtype``: the dtype the model computes its loss in (Hugging Face's: float32), which bounds the
+    precision of the loss and the gradients; the logits are compared at ``dtype``'s tolerance.
+    """
     torch.manual_seed(0)
     model = make().to(dtype)
     sharded_model = copy.deepcopy(model)
@@ -118,16 +123,36 @@ def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torc
     out.loss.backward()
 
     shard = shard_batch(batch)
+    cut = PackedBoundaries.from_lengths([n for r in range(world) for n in ShardedBoundaries.from_row(
+        shard["boundaries"].row, group=None, rank=r, world_size=world).segment_lengths])
+    with torch.no_grad():  # the row cut at the rank edges: what a shard would get without context parallelism
+        alone = model(input_ids=batch["input_ids"], boundaries=cut).logits
+    sensitivity = (alone - out.logits).abs().max().item()
+    assert sensitivity > 100 * TOL[dtype], f"the model barely mixes tokens ({sensitivity:g}): this test could not fail"
     local = sharded_model(**shard)
     local.loss.backward()
     loss, grads = summed(local.loss), [summed(p.grad) for p in sharded_model.parameters()]  # collectives first
     bounds = shard["boundaries"]
     window = slice(bounds.offset, bounds.offset + bounds.total_tokens)
-    tol = TOL[dtype]
-    assert_close(local.logits.detach(), out.logits[:, window].detach(), "logits", tol=tol)
+    tol = TOL[loss_dtype or dtype]
+    assert_close(local.logits.detach(), out.logits[:, window].detach(), "logits", tol=TOL[dtype])
     assert_close(loss, out.loss.detach(), "summed loss", tol=tol)
     for (name, want), got in zip(model.named_parameters(), grads, strict=True):
         assert_close(got, want.grad, f"summed grad of {name}", tol=tol)
+
+
+def patched(family: str) -> Callable[[], torch.nn.Module]:
+    """A tiny Hugging Face model of ``family``, patched, in training mode (eager experts: they run in float64)."""
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+    def make() -> torch.nn.Module:
+        model = tiny_model(family)
+        if getattr(model.config, "num_experts", 0):
+            model.set_experts_implementation("eager")
+        return patch_model(model).train()
+
+    return make
 
 
 def attention_model() -> HybridForCausalLM:
@@ -185,6 +210,10 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
         for preset_name in ("qwen3-next-tiny", "bamba-tiny"):
             out["presets"][f"{preset_name}-{name}"] = (
                 lambda rank, p=preset_name, dtype=dtype: check_model(preset(p), model_layout, dtype, world))
+    for family in ("lfm2", "qwen3_next", "bamba"):  # lfm2: conv + attention; the others need every op's CP
+        group = "models" if family == "lfm2" else "presets"
+        out[group][f"hf_{family}-float64"] = (lambda rank, family=family: check_model(
+            patched(family), model_layout, torch.float64, world, loss_dtype=torch.float32))
     out["errors"]["bad_input"] = lambda rank: check_errors(rank, world)
     return out
 
