@@ -50,6 +50,8 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--isolation-check", action="store_true", help="run the isolation harness on the model first")
     p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun: split each packed row across N ranks (docs/parallel.md)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,7 +106,8 @@ def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
                        grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, dtype=args.dtype, device=args.device,
                        compare_padded=args.compare_padded, isolation_check=args.isolation_check,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume)
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       context_parallel=args.context_parallel)
 
 
 def _print_summary(metrics: dict[str, Any], out: str) -> None:

@@ -32,6 +32,8 @@ class TrainConfig:
         resume: continue from ``out/checkpoint.pt``.
         guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
             micro-batch and every N-th after it against its documents run alone; 0 turns it off.
+        context_parallel: ranks that share each packed row under torchrun (docs/parallel.md); the others
+            are data-parallel replicas. Above 1 the guard is off (it checks whole rows).
     """
 
     model: str = "qwen3-next-tiny"
@@ -56,10 +58,11 @@ class TrainConfig:
     resume: bool = False
     guard_every: int = DEFAULT_GUARD_EVERY
     log_every: int = 1
+    context_parallel: int = 1
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "epochs", "grad_accum"):
+        for name in ("capacity", "epochs", "grad_accum", "context_parallel"):
             if int(getattr(self, name)) < 1:
                 raise InputError(f"{name}: expected a positive int; got {getattr(self, name)}")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:

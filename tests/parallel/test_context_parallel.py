@@ -114,3 +114,25 @@ def test_halo_plan_is_flat_in_row_length_for_the_conv():
         row = PackedBoundaries.from_document_lengths([total])
         plan = halo_plan(ShardedBoundaries.from_row(row, group=None, rank=3, world_size=4), 3)
         assert plan.halo_tokens == 3 and np.sum([c for _, c in plan.receives]) == 3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_with_context_parallel_2_equals_one_process(tmp_path):
+    """`hybrid-pack train --context-parallel 2` on 2 ranks (one replica) takes the steps one process takes."""
+    pytest.importorskip("transformers")
+    import hybrid_pack.cli
+    from hybrid_pack.integrations.transformers.tiny import tiny_config
+    from hybrid_pack.training import TrainConfig, train
+
+    model_dir = tmp_path / "lfm2"  # short conv + attention: every op it runs has its context-parallel path
+    tiny_config("lfm2").save_pretrained(model_dir)
+    settings = {"model": str(model_dir), "max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32",
+                "guard_every": 0}
+    one = train(TrainConfig(out=str(tmp_path / "one"), progress=False, **settings))
+    torchrun(Path(hybrid_pack.cli.__file__), "train", "--out", str(tmp_path / "cp"), "--context-parallel", "2",
+             "--no-progress", *[f"--{key.replace('_', '-')}={value}" for key, value in settings.items()])
+    sharded = json.loads((tmp_path / "cp" / "metrics.json").read_text())
+    assert sharded["world_size"] == 2 and sharded["context_parallel"] == 2
+    assert sharded["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert sharded["parameters_checksum"] == pytest.approx(one["parameters_checksum"], rel=1e-5)
