@@ -11,13 +11,18 @@ two proofs every op owes.
   forward and backward, that a packed row never mixes its documents.
 * :func:`with_defect` plants one defect into an op's function, for the tests that prove these checks
   (and the backends' self-check) catch it.
+* :func:`torchrun` launches a worker of tests/workers/ on several CPU processes (gloo).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -378,14 +383,13 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
     return planted
 
 
-# ---------------------------------------------------------------- multi-process runs
-def torchrun(script: Any, *args: str, nproc: int = 2, timeout: float = 300) -> None:
-    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` CPU (gloo) processes; fail with its output."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+# ---------------------------------------------------------------- several processes
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> None:
+    """``script args`` as ``nproc`` processes under ``torch.distributed.run`` (one torch thread each, gloo
+    over loopback, this checkout first on the path so workers import its ``hybrid_pack`` and ``tests``);
+    fails with the tail of their output unless every one exits 0."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": path}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                str(script), *args]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)

@@ -15,10 +15,14 @@ WORKER = Path(__file__).parents[1] / "workers" / "dist_sampler.py"
 TRAINER_WORKER = Path(__file__).parents[1] / "workers" / "hf_trainer.py"
 
 
+def _torchrun(script: Path, *args: str) -> None:
+    torchrun(script, *args, nproc=2)
+
+
 @pytest.mark.distributed
 def test_two_process_torchrun_sees_every_example_once(tmp_path):
     out = tmp_path / "gathered.json"
-    torchrun(WORKER, str(out))
+    _torchrun(WORKER, str(out))
 
     record = json.loads(out.read_text())
     ranks = record["ranks"]
@@ -41,13 +45,13 @@ def test_two_process_hf_trainer_gets_each_ranks_steps_and_resumes_exactly(tmp_pa
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     out = tmp_path / "run"
-    torchrun(TRAINER_WORKER, str(out))
+    _torchrun(TRAINER_WORKER, str(out))
     full = [json.loads(Path(f"{out}.full.rank{r}.json").read_text()) for r in range(2)]
     settings = full[0]
     steps_per_epoch = len(PackedBatchSampler(settings["lengths"], settings["capacity"], num_replicas=2, rank=0))
     checkpoint = 40
     assert steps_per_epoch < checkpoint < 2 * steps_per_epoch, "the checkpoint must fall inside the second epoch"
-    torchrun(TRAINER_WORKER, str(out), str(out / f"checkpoint-{checkpoint}"))
+    _torchrun(TRAINER_WORKER, str(out), str(out / f"checkpoint-{checkpoint}"))
 
     for rank in range(2):
         expected = []
