@@ -23,7 +23,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
     Args:
         q: ``[1, T, H, D]``.
         k, v: ``[1, T, Hkv, D]`` with ``H % Hkv == 0`` (grouped-query attention).
-        boundaries: where the documents of the row start.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            (this rank's part of a row split across a context-parallel group) runs the context-parallel
+            path and returns this rank's slice of the whole row's result (docs/parallel.md).
         causal: mask future tokens.
         softmax_scale: defaults to ``D ** -0.5``.
         backend: force a backend (see :mod:`hybrid_pack.backends`).

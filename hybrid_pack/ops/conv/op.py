@@ -23,7 +23,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x: ``[1, T, D]``.
         weight: ``[D, W]``.
         bias: ``[D]`` or None.
-        boundaries: where the documents of the row start.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            (this rank's part of a row split across a context-parallel group) runs the context-parallel
+            path and returns this rank's slice of the whole row's result (docs/parallel.md).
         activation: None or ``"silu"`` (``"swish"`` is the same).
         backend: force a backend (see :mod:`hybrid_pack.backends`).
 
