@@ -136,3 +136,23 @@ def test_train_with_context_parallel_2_equals_one_process(tmp_path):
     assert sharded["world_size"] == 2 and sharded["context_parallel"] == 2
     assert sharded["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert sharded["parameters_checksum"] == pytest.approx(one["parameters_checksum"], rel=1e-5)
+
+
+def test_guard_refuses_a_sharded_call():
+    from hybrid_pack.modeling import HybridConfig, HybridForCausalLM
+    from hybrid_pack.testing import PackingGuard
+
+    model = HybridForCausalLM(HybridConfig(layer_pattern="A", vocab_size=32))
+    batch = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    with PackingGuard(model, every=1), pytest.raises(InputError, match="^boundaries: .*context-parallel"):
+        model(**shard_batch(batch))
+
+
+def test_context_parallel_size_must_divide_the_world():
+    from hybrid_pack.parallel.mesh import context_parallel_mesh
+
+    assert context_parallel_mesh(1, "cpu") is None
+    with pytest.raises(InputError, match="^context_parallel: 2 does not divide the 1 processes"):
+        context_parallel_mesh(2, "cpu")
+    with pytest.raises(InputError, match="^context_parallel: expected a positive int"):
+        context_parallel_mesh(0, "cpu")
