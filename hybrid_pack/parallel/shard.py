@@ -79,9 +79,10 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
 
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if (key in BOUNDARY_KEYS and not _per_token(value, total)) or key == BOUNDARIES:
-            continue
-        out[key] = value[:, window] if _per_token(value, total) else value
+        if _per_token(value, total):
+            out[key] = value[:, window]
+        elif key not in (*BOUNDARY_KEYS, BOUNDARIES):  # the row's boundary keys: replaced by the shard's
+            out[key] = value
     if batch.get(LABELS) is not None:
         shifted = shift_labels(batch[LABELS], row)
         out[SHIFT_LABELS] = shifted[:, window]
