@@ -156,3 +156,13 @@ def test_context_parallel_size_must_divide_the_world():
         context_parallel_mesh(2, "cpu")
     with pytest.raises(InputError, match="^context_parallel: expected a positive int"):
         context_parallel_mesh(0, "cpu")
+
+
+def test_bidirectional_attention_on_a_shard_is_refused():
+    from hybrid_pack.ops import varlen_attention
+
+    row = PackedBoundaries.from_document_lengths([3, 5])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=1)
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(InputError, match="^causal: context-parallel attention is causal only"):
+        varlen_attention(q, q, q, shard, causal=False)
