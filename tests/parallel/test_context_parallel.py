@@ -116,26 +116,50 @@ def test_halo_plan_is_flat_in_row_length_for_the_conv():
         assert plan.halo_tokens == 3 and np.sum([c for _, c in plan.receives]) == 3
 
 
+TRAIN_SETTINGS = {"max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32", "guard_every": 0}
+
+
+def _train_under_torchrun(out: Path, nproc: int, *options: str) -> dict:
+    import hybrid_pack.cli
+
+    torchrun(Path(hybrid_pack.cli.__file__), "train", "--out", str(out), "--no-progress", *options,
+             *[f"--{key.replace('_', '-')}={value}" for key, value in TRAIN_SETTINGS.items()], nproc=nproc)
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture
+def lfm2_directory(tmp_path: Path) -> Path:
+    """A tiny Hugging Face LFM2 (short conv + attention: every op it runs has its context-parallel path)."""
+    pytest.importorskip("transformers")
+    from hybrid_pack.integrations.transformers.tiny import tiny_config
+
+    tiny_config("lfm2").save_pretrained(tmp_path / "lfm2")
+    return tmp_path / "lfm2"
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_train_with_context_parallel_2_equals_one_process(tmp_path):
+def test_train_with_context_parallel_2_equals_one_process(tmp_path, lfm2_directory):
     """`hybrid-pack train --context-parallel 2` on 2 ranks (one replica) takes the steps one process takes."""
-    pytest.importorskip("transformers")
-    import hybrid_pack.cli
-    from hybrid_pack.integrations.transformers.tiny import tiny_config
     from hybrid_pack.training import TrainConfig, train
 
-    model_dir = tmp_path / "lfm2"  # short conv + attention: every op it runs has its context-parallel path
-    tiny_config("lfm2").save_pretrained(model_dir)
-    settings = {"model": str(model_dir), "max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32",
-                "guard_every": 0}
-    one = train(TrainConfig(out=str(tmp_path / "one"), progress=False, **settings))
-    torchrun(Path(hybrid_pack.cli.__file__), "train", "--out", str(tmp_path / "cp"), "--context-parallel", "2",
-             "--no-progress", *[f"--{key.replace('_', '-')}={value}" for key, value in settings.items()])
-    sharded = json.loads((tmp_path / "cp" / "metrics.json").read_text())
+    one = train(TrainConfig(model=str(lfm2_directory), out=str(tmp_path / "one"), progress=False, **TRAIN_SETTINGS))
+    sharded = _train_under_torchrun(tmp_path / "cp", 2, "--model", str(lfm2_directory), "--context-parallel", "2")
     assert sharded["world_size"] == 2 and sharded["context_parallel"] == 2
     assert sharded["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert sharded["parameters_checksum"] == pytest.approx(one["parameters_checksum"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_two_replicas_of_two_context_parallel_ranks_equals_two_data_parallel_ranks(tmp_path, lfm2_directory):
+    """4 ranks as a ("dp", "cp") = (2, 2) mesh draw the rows 2 data-parallel ranks draw and take the same steps."""
+    model = ("--model", str(lfm2_directory))
+    data_parallel = _train_under_torchrun(tmp_path / "dp", 2, *model)
+    mesh = _train_under_torchrun(tmp_path / "mesh", 4, *model, "--context-parallel", "2")
+    assert mesh["world_size"] == 4 and mesh["context_parallel"] == 2
+    assert mesh["losses"] == pytest.approx(data_parallel["losses"], rel=1e-5)
+    assert mesh["parameters_checksum"] == pytest.approx(data_parallel["parameters_checksum"], rel=1e-5)
 
 
 def test_guard_refuses_a_sharded_call():
