@@ -13,6 +13,7 @@ from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 _LAZY = {
     "shard_batch": "hybrid_pack.parallel.shard",
+    "context_parallel_mesh": "hybrid_pack.parallel.mesh",
 }
 
 __all__ = ["ShardedBoundaries", *_LAZY]
