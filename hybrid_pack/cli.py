@@ -53,6 +53,8 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard every decoder block and the root with FSDP2 (bf16 mixed precision on "
                         "CUDA), checkpoints in OUT/checkpoint/ with torch.distributed.checkpoint")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun: split each packed row across N ranks (docs/parallel.md)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,7 +109,8 @@ def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
                        grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, dtype=args.dtype, device=args.device,
                        compare_padded=args.compare_padded, isolation_check=args.isolation_check,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume, fsdp=args.fsdp)
+                       checkpoint_every=args.checkpoint_every, resume=args.resume, fsdp=args.fsdp,
+                       context_parallel=args.context_parallel)
 
 
 def _print_summary(metrics: dict[str, Any], out: str) -> None:

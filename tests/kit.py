@@ -376,7 +376,3 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
         return result
 
     return planted
-
-
-# ---------------------------------------------------------------- several processes
-

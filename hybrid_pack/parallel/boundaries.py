@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
@@ -82,6 +83,47 @@ class ShardedBoundaries(PackedBoundaries):
         """Whether the last local segment goes on into the next rank."""
         end = self.offset + self.total_tokens
         return end < self.row.total_tokens and end not in set(self.row.starts)
+
+    @property
+    def document_positions(self) -> torch.Tensor:
+        """int64 ``[1, T_local]``: positions in the document counted from its start on the row (RoPE's)."""
+        return self.view("document_positions", lambda: self.position_ids + torch.where(
+            self.seq_idx == 0, self.first_position, 0))
+
+    def check_group(self) -> None:
+        """Raise :class:`InputError` unless this process is rank ``rank`` of a ``group`` of ``world_size``."""
+        if not dist.is_initialized():
+            if self.world_size > 1:
+                raise InputError(f"boundaries: sharded over {self.world_size} ranks but torch.distributed is not "
+                                 "initialised here; call the model under torchrun after init_process_group")
+            return
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if (rank, size) != (self.rank, self.world_size):
+            raise InputError(f"boundaries: built for rank {self.rank} of a group of {self.world_size}, but this "
+                             f"process is rank {rank} of a group of {size} in the group they name; build them with "
+                             "shard_batch(batch, group) on the process group the model runs on")
+
+    def extended(self, halo: int) -> PackedBoundaries:
+        """Plain boundaries of ``halo`` preceding row tokens followed by the local ones, the halo joined to the
+        first local segment (what a single-device op runs on after :func:`with_preceding_tokens`)."""
+        if not halo:
+            return self.local()
+
+        def build() -> PackedBoundaries:
+            lengths = list(self.segment_lengths)
+            lengths[0] += halo
+            padding_only = self.num_segments == 1 and self.num_pad_tokens > 0
+            return PackedBoundaries.from_lengths(lengths, device=self.device,
+                                                 num_pad_tokens=lengths[0] if padding_only else self.num_pad_tokens)
+
+        return self.view(("extended", halo), build)
+
+    def after_first(self) -> PackedBoundaries | None:
+        """Plain boundaries of the local segments after the first one (None when there is only one)."""
+        if self.num_segments == 1:
+            return None
+        return self.view("after_first", lambda: PackedBoundaries.from_lengths(
+            self.segment_lengths[1:], device=self.device, num_pad_tokens=self.num_pad_tokens))
 
     def local(self) -> PackedBoundaries:
         """The local segments as plain boundaries (what a single-device op runs on), kept on this object."""

@@ -34,6 +34,7 @@ from typing_extensions import Self
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
@@ -194,6 +195,7 @@ class PackingGuard:
         """Count a packed training call and mark it when due; reads shapes only (no host sync)."""
         if self._checking:
             return
+        _refuse_context_parallel(kwargs.get(BOUNDARIES))
         if not module.training or not _is_packed(args, kwargs):
             self._due, self._capture = None, False
             return
@@ -423,8 +425,19 @@ def _positional(module: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
             if signature.parameters[name].kind is not inspect.Parameter.VAR_POSITIONAL}
 
 
+# --- context parallelism (docs/parallel.md): the guard checks whole rows only -------------------------
+def _refuse_context_parallel(boundaries: Any) -> None:
+    """Raise on a context-parallel shard, before any collective (every rank of the group gets one: none hangs)."""
+    if isinstance(boundaries, ShardedBoundaries):
+        raise InputError("boundaries: this call is one rank's shard of a context-parallel row; the guard checks "
+                         "whole rows, so detach it for context-parallel training and check the model unsharded "
+                         "(check_isolation(model) runs whole rows on one rank)")
+# --- end context parallelism ----------------------------------------------------------------------------
+
+
 def _boundaries(batch: Mapping[str, Any]) -> PackedBoundaries:
     given = batch.get(BOUNDARIES)
+    _refuse_context_parallel(given)
     if given is not None:
         if not isinstance(given, PackedBoundaries):
             raise InputError(f"boundaries: expected a hybrid_pack.PackedBoundaries; got {type(given).__name__}")

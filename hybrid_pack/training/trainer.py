@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
@@ -30,7 +31,9 @@ from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS
+from hybrid_pack.parallel.mesh import CP, DP, context_parallel_mesh
+from hybrid_pack.parallel.shard import shard_batch
+from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS, SHIFT_LABELS
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.checkpoint import CHECKPOINT, CheckpointSaver, load_checkpoint
 from hybrid_pack.training.comparison import compare_padded
@@ -65,6 +68,19 @@ class _Process:
     autocast: torch.dtype | None
     out: Path
     owns_process_group: bool = False
+    mesh: DeviceMesh | None = None
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        """``(rank, size)`` among the data-parallel replicas (a context-parallel group is one replica)."""
+        if self.mesh is None:
+            return self.rank, self.world
+        return self.mesh.get_local_rank(DP), self.mesh.size(0)
+
+    @property
+    def cp_group(self) -> Any:
+        """The context-parallel process group (None without context parallelism)."""
+        return None if self.mesh is None else self.mesh.get_group(CP)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -99,10 +115,12 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
         metrics["dtype"] = metrics["fsdp"]["dtype"]
         proc = replace(proc, autocast=None)
     lengths = [len(f[INPUT_IDS]) for f in features]
-    sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=proc.world, rank=proc.rank, seed=cfg.seed)
+    replica, replicas = proc.replica
+    sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=replicas, rank=replica, seed=cfg.seed)
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
+    guarded = cfg.guard_every and proc.mesh is None  # the guard checks whole rows, not context-parallel shards
     guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed,
-                         group=dist.group.WORLD if proc.world > 1 else None).attach() if cfg.guard_every else None
+                         group=dist.group.WORLD if proc.world > 1 else None).attach() if guarded else None
     try:
         stats = _train_packed(model, features, sampler, cfg, proc, guard)
     except IsolationError:
@@ -161,8 +179,9 @@ def _start(cfg: TrainConfig) -> _Process:
     out = cfg.out_dir
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    mesh = context_parallel_mesh(cfg.context_parallel, device.type)
     return _Process(rank=rank, world=world, device=device, autocast=autocast, out=out,
-                    owns_process_group=owns_process_group)
+                    owns_process_group=owns_process_group, mesh=mesh)
 
 
 def _load_features(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> list[dict[str, Any]]:
@@ -177,6 +196,7 @@ def _load_features(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> 
 def _run_metrics(cfg: TrainConfig, proc: _Process, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"model": cfg.model, "data": cfg.data, "examples": len(features), "device": proc.device.type,
             "dtype": str(proc.autocast or torch.float32).removeprefix("torch."), "world_size": proc.world,
+            "context_parallel": cfg.context_parallel,
             "capacity": cfg.capacity, "isolation_ok": None}
 
 
@@ -208,7 +228,8 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
     saver = (ShardedCheckpointSaver if cfg.fsdp else CheckpointSaver)(
         proc.out / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT), model, optimizer, scheduler, sampler, stats,
         every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
-    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups)
+    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, proc.cp_group,
+                         cfg.context_parallel)
     return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device, autocast=proc.autocast,
                       world=proc.world, describe="packed", optimizer=optimizer, scheduler=scheduler, stats=stats,
                       start_step=start_step, on_step=saver, guard=guard)
@@ -264,26 +285,35 @@ def _write_metrics(proc: _Process, metrics: dict[str, Any], guard: PackingGuard 
 
 class _PackedSteps:
     """Optimizer steps of packed micro-batches drawn from the sampler (what a ``DataLoader`` with
-    ``batch_sampler=sampler`` and no workers yields), recording each micro-batch's example indices."""
+    ``batch_sampler=sampler`` and no workers yields), recording each micro-batch's example indices. With
+    context parallelism each row is padded to a multiple of the group's size and this rank gets its shard."""
 
     def __init__(self, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler, grad_accum: int,
-                 epochs: int, groups: list[list[int]]) -> None:
+                 epochs: int, groups: list[list[int]], cp_group: Any = None, context_parallel: int = 1) -> None:
         self.features, self.sampler, self.grad_accum, self.epochs, self.groups = (
             features, sampler, grad_accum, epochs, groups)
+        self.cp_group, self.context_parallel = cp_group, context_parallel
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
-        collator = PackingCollator()
+        collator = PackingCollator(pad_to_multiple_of=self.context_parallel)
         for epoch in range(self.sampler.epoch, self.epochs):
             self.sampler.set_epoch(epoch)
             micro: list[MicroBatch] = []
             for indices in self.sampler:
                 self.groups.append(list(indices))
                 batch = collator([self.features[i] for i in indices])
-                micro.append({INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
-                              BOUNDARIES: PackedBoundaries.from_batch(batch),
-                              REAL_TOKENS: batch[INPUT_IDS].shape[1] - batch.get(NUM_PAD_TOKENS, 0)})
+                micro.append(self._micro_batch(batch))
                 if len(micro) == self.grad_accum:
                     yield micro
                     micro = []
             if micro:
                 yield micro
+
+    def _micro_batch(self, batch: dict[str, Any]) -> MicroBatch:
+        if self.context_parallel == 1:
+            return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], BOUNDARIES: PackedBoundaries.from_batch(batch),
+                    REAL_TOKENS: batch[INPUT_IDS].shape[1] - batch.get(NUM_PAD_TOKENS, 0)}
+        shard = shard_batch(batch, self.cp_group)
+        boundaries = shard[BOUNDARIES]
+        return {INPUT_IDS: shard[INPUT_IDS], LABELS: shard[LABELS], SHIFT_LABELS: shard[SHIFT_LABELS],
+                BOUNDARIES: boundaries, REAL_TOKENS: boundaries.total_tokens - boundaries.num_pad_tokens}
