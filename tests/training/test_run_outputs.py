@@ -173,7 +173,7 @@ def test_report_to_a_missing_package_names_the_extra(monkeypatch) -> None:
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
-    with pytest.raises(ValueError, match=r"report_to: 'wandb' needs the wandb package; pip install 'hybrid_pack\[wandb\]'"):
+    with pytest.raises(ValueError, match=r"'wandb' needs the wandb package; pip install 'hybrid_pack\[wandb\]'"):
         TrainConfig(report_to="wandb")
     with pytest.raises(ValueError, match=r"report_to: expected 'none', 'all'"):
         TrainConfig(report_to=["tensorboard", "mlflow"])
@@ -185,3 +185,19 @@ def test_compare_padded_runs_as_many_steps_and_flags_a_too_short_run(run) -> Non
     assert "run too short to judge: 1 timed step(s)" in metrics["speedup_verdict"]
     assert metrics["speedup_meets_target"] == (metrics["speedup"] >= metrics["target_speedup"])
     assert metrics["speedup_verdict"] in printed
+
+
+@pytest.mark.slow  # wandb starts its own service process (~5 s alone, longer on a busy machine)
+def test_report_to_wandb_offline_logs_every_step(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    from hybrid_pack.training.reporting import Reporter, report_targets
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    reporter = Reporter(report_targets("wandb"), tmp_path, {"lr": 1e-3})
+    for step, loss in enumerate([2.0, 1.5], 1):
+        reporter.log(step, {"train/loss": loss})
+    assert reporter.runs[0].config["lr"] == 1e-3 and reporter.runs[0].offline
+    reporter.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert run_file.stat().st_size > 0
