@@ -2,7 +2,8 @@
 
 A native preset becomes ``config.json`` + ``model.safetensors`` (load with
 ``HybridForCausalLM.from_pretrained``); a Hugging Face model is saved in its own format (load with
-``AutoModelForCausalLM.from_pretrained``). A model trained on a compact vocabulary (the tiny presets'
+``AutoModelForCausalLM.from_pretrained``); the Qwen3 tokenizer is saved beside it
+(``AutoTokenizer.from_pretrained`` reads it). A model trained on a compact vocabulary (the tiny presets'
 8,192 ids) is expanded back to the tokenizer's ids first (:func:`~hybrid_pack.modeling.expand_vocabulary`),
 so it takes Qwen3 tokenizer ids and gives logits over them; its ``VOCABULARY_NOTE`` file says so.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid_pack.data.tokenizer import save_tokenizer
 from hybrid_pack.modeling.vocab import VocabRemap, expand_vocabulary
 
 MODEL_DIR = "model"
@@ -29,6 +31,7 @@ def save_trained_model(model: torch.nn.Module, remap: VocabRemap | None, directo
         model = copy.deepcopy(model)
         expand_vocabulary(model, remap, tokenizer_vocab)
     model.save_pretrained(directory)
+    save_tokenizer(directory)
     if remap is not None:
         (directory / VOCABULARY_NOTE).write_text(
             f"# A small-vocabulary demo model\n\nTrained on a compact vocabulary: the {remap.size - 1:,} most frequent "

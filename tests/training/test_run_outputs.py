@@ -125,6 +125,12 @@ def test_saved_model_loads_and_gives_the_trained_logits_over_tokenizer_ids(run, 
     assert "small-vocabulary demo model" in printed
     assert {p.name for p in (out / "model").iterdir()} >= {"config.json", "model.safetensors"}
     assert "small-vocabulary demo model" in (out / "model" / "COMPACT_VOCABULARY.md").read_text().lower()
+    from transformers import AutoTokenizer
+
+    from hybrid_pack.data import load_tokenizer
+
+    text = "<|im_start|>user\nWhat is 7 + 7?<|im_end|>\n"
+    assert AutoTokenizer.from_pretrained(out / "model").encode(text) == load_tokenizer().encode(text).ids
     remap = VocabRemap.load(out / "vocab_remap.json")
     tokenizer_ids = torch.tensor([prepare_data(load_chats(str(data_file)), TOKENIZER_VOCAB, capacity=CAPACITY,
                                                overflow="truncate").features[10][INPUT_IDS]])
