@@ -104,6 +104,15 @@ def test_overflow_policies_are_counted(data_file, overflow: str, counts: dict) -
         assert metrics["dropped_examples_by_reason"]["longer_than_capacity"] == 1
 
 
+@pytest.mark.parametrize(("row", "message"), [
+    ({INPUT_IDS: [1, TOKENIZER_VOCAB]}, r"data\[0\]\.input_ids: expected Qwen3 token ids"),
+    ({INPUT_IDS: [1, 2, 3], "labels": [2, 3]}, r"data\[0\]\.labels: expected 3 labels"),
+])
+def test_a_malformed_tokenized_row_is_named(row: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        prepare_data([row], 512, capacity=CAPACITY)
+
+
 # ------------------------------------------------------------------ the saved model
 def _trained_compact_model(out: Path, cfg: TrainConfig) -> torch.nn.Module:
     model = build_model(cfg)
