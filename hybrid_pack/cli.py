@@ -28,6 +28,12 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--max-examples", type=int, default=DEMO_EXAMPLES if demo else None,
                    help="use the first N examples")
     p.add_argument("--capacity", type=int, default=2048, help="tokens per packed row")
+    p.add_argument("--overflow", choices=("error", "truncate", "split", "drop"), default="error",
+                   help="an example longer than --capacity: stop naming it (default, as plan_packs), keep its first "
+                        "--capacity tokens, cut it into pieces, or leave it out; counted in metrics.json")
+    p.add_argument("--report-to", nargs="+", default=["none"], metavar="{none,all,tensorboard,wandb}",
+                   help="per-step metrics to TensorBoard (OUT/runs) and / or wandb, as transformers' report_to "
+                        "(default: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--guard-every", type=int, default=None, metavar="N", help=GUARD_HELP)
@@ -100,7 +106,8 @@ def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
     from hybrid_pack.training import TrainConfig
 
     common = {"model": args.model, "out": args.out, "capacity": args.capacity, "max_examples": args.max_examples,
-              "seed": args.seed, "progress": not args.no_progress}
+              "seed": args.seed, "progress": not args.no_progress, "overflow": args.overflow,
+              "report_to": args.report_to}
     if args.guard_every is not None:
         common["guard_every"] = args.guard_every
     if demo:
@@ -121,7 +128,10 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
                         f"({metrics['device']}, {metrics['dtype']})")
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("examples / real tokens", f"{metrics['examples']:,} / {metrics['real_tokens']:,}")
+    table.add_row("examples / documents trained / real tokens",
+                  f"{metrics['examples']:,} / {metrics['documents']:,} / {metrics['real_tokens']:,}")
+    for row in _data_loss_rows(metrics):
+        table.add_row(*row)
     table.add_row("packs per epoch (lower bound) / steps",
                   f"{metrics['packs_per_epoch']} ({metrics['packs_lower_bound']}) / {metrics['steps']}")
     table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
@@ -141,8 +151,10 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     if "padded_tokens_per_second" in metrics:
         table.add_row("padded real tokens/s", f"{metrics['padded_tokens_per_second']:,.0f}")
         table.add_row("padded tokens per real token", f"{metrics['padded_tokens_ratio']:.2f}")
-        table.add_row("packed speed-up", f"{metrics['speedup']:.2f}x")
+        table.add_row(f"packed speed-up ({metrics['timed_steps']} timed steps each, warm-up step excluded)",
+                      f"{metrics['speedup']:.2f}x")
         table.add_row("target speed-up (0.9 x padding ratio)", f"{metrics['target_speedup']:.2f}x")
+        table.add_row("speed-up against target", metrics["speedup_verdict"])
         agree = "yes" if metrics["losses_agree"] else "NO"
         table.add_row("packed and padded losses agree",
                       f"{agree} (same batch {metrics['same_batch_loss_rel_diff']:.1e}, "
@@ -151,6 +163,30 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     console = Console()
     console.print(table)
     console.print(f"wrote {out}/metrics.json, {out}/loss.png, {out}/pack_fill.png")
+    if "model_dir" in metrics:
+        console.print(f"saved the trained model to {metrics['model_dir']} (save_pretrained format, "
+                      f"Qwen3 tokenizer ids)")
+        if metrics["compact_vocabulary"]:
+            console.print(f"  a small-vocabulary demo model: trained on {metrics['compact_vocabulary']:,} ids, the "
+                          f"other tokenizer ids share its <unk> row (see COMPACT_VOCABULARY.md there)")
+
+
+def _data_loss_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    """A summary row for every example count of what the data lost that is not zero."""
+    from hybrid_pack.training.data import DROP_REASONS
+
+    rows = []
+    if metrics["truncated_examples"]:
+        rows.append(("examples truncated to --capacity", f"{metrics['truncated_examples']:,}"))
+    if metrics["split_examples"]:
+        rows.append(("examples split into pieces of --capacity", f"{metrics['split_examples']:,}"))
+    if metrics["dropped_examples"]:
+        reasons = ", ".join(f"{n:,} {DROP_REASONS[reason]}"
+                            for reason, n in metrics["dropped_examples_by_reason"].items() if n)
+        rows.append(("examples dropped", f"{metrics['dropped_examples']:,} ({reasons})"))
+    if metrics["examples_without_targets"]:
+        rows.append(("examples without targets (dropped)", f"{metrics['examples_without_targets']:,}"))
+    return rows
 
 
 def _decision_text(decision: dict[str, Any]) -> str:
@@ -320,7 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command in ("demo", "train"):
-            return _run_train(args, demo=args.command == "demo")
+            code = _run_train(args, demo=args.command == "demo")
+            if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank, its group ended
+                from hybrid_pack.distributed import exit_without_finalizing
+
+                exit_without_finalizing(code)
+            return code
         return {"check": _run_check, "backends": _run_backends, "bench": _run_bench}[args.command](args)
     except IsolationError as err:
         print(f"hybrid-pack {args.command}: {err}", file=sys.stderr)

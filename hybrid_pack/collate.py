@@ -26,6 +26,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import (
+    ATTENTION_MASK,
     COLLATED_KEYS,
     DEFAULT_EXTRA_TOKEN_KEYS,
     FLOAT_TOKEN_KEYS,
@@ -69,8 +70,9 @@ class PackingCollator:
     - every extra key present: float32 or int64 ``[1, T]``;
     - ``num_pad_tokens``: Python int, only when padding was added.
 
-    Keys other than ``input_ids``, ``labels`` and ``extra_token_keys`` are ignored (the boundaries
-    replace ``attention_mask``). Tensors come out on the CPU.
+    Any other feature key raises :class:`~hybrid_pack.errors.InputError` naming it (nothing is dropped
+    silently), except an ``attention_mask`` of all ones, which is checked and dropped (the boundaries
+    replace it; a mask with zeros means padded examples, and raises). Tensors come out on the CPU.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class PackingCollator:
         if layout.total > _MAX_TOKENS:
             raise InputError(f"features: expected fewer than 2**31 tokens per batch (cu_seq_lens is int32); got "
                              f"{layout.total} (split the batch)")
+        self._check_other_keys(docs, layout)
         boundaries = PackedBoundaries.from_document_lengths(lengths, num_pad_tokens=num_pad)
 
         input_ids = _concat(INPUT_IDS, ids, ids_kind, layout, self.pad_token_id, torch.int64)
@@ -146,6 +149,25 @@ class PackingCollator:
         if num_pad:
             batch[NUM_PAD_TOKENS] = num_pad
         return batch  # type: ignore[return-value]
+
+    def _check_other_keys(self, docs: list[Feature], layout: _Layout) -> None:
+        """Refuse a key this collator would not emit; accept (and drop) an ``attention_mask`` of all ones."""
+        known = {INPUT_IDS, LABELS, ATTENTION_MASK, *self.extra_token_keys}
+        unknown = set().union(*docs) - known
+        if unknown:
+            key = min(unknown, key=str)
+            index = next(i for i, doc in enumerate(docs) if key in doc)
+            raise InputError(f"features[{index}].{key}: not a key this collator takes (input_ids, labels, "
+                             f"attention_mask, extra_token_keys={self.extra_token_keys}); add it to "
+                             f"extra_token_keys to concatenate it per token, or remove it from the examples")
+        column = None if ATTENTION_MASK in self.extra_token_keys else _column(docs, ATTENTION_MASK, layout)
+        if column is not None:
+            mask = _concat(ATTENTION_MASK, *column, _Layout(layout.lengths, layout.num_real, layout.num_real), 1,
+                           torch.int64)[0].numpy()
+            if not (mask == 1).all():
+                index = int(np.searchsorted(np.cumsum(layout.lengths), np.argmax(mask != 1), side="right"))
+                raise InputError(f"features[{index}].{ATTENTION_MASK}: expected all ones (a packed row needs no mask); "
+                                 f"got zeros: pass the examples unpadded, without their padding tokens")
 
     def _num_pad_tokens(self, num_tokens: int) -> int:
         if self.pack_length is not None:

@@ -6,13 +6,16 @@ Used by every layer that must decide the same on every rank: the backends' self-
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group", "agree_max", "distributed", "gather_rows", "share_objects"]
+__all__ = ["Group", "agree_max", "distributed", "end_process_group", "exit_without_finalizing", "gather_rows",
+           "share_objects"]
 
 Group = Any
 """A ``torch.distributed.ProcessGroup`` (``dist.group.WORLD`` included)."""
@@ -50,3 +53,29 @@ def share_objects(value: Any, group: Group | None = None) -> list[Any]:
     values: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(values, value, group=group)
     return values
+
+
+def end_process_group() -> None:
+    """End the default process group (if one is open) on every rank, after a barrier.
+
+    Without the barrier gloo can abort the process at exit ("terminate called without an active exception") or
+    deadlock in its destructor: its worker thread still frees the last collectives, which needs the GIL that the
+    main thread holds while joining it. Call it only where every rank gets there (not while unwinding from an
+    error on one rank).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def exit_without_finalizing(code: int) -> NoReturn:
+    """End this process with ``code`` now, output flushed, skipping the interpreter's finalization.
+
+    For a process that used gloo, after :func:`end_process_group`: gloo's worker threads can still hold tensors
+    when the interpreter finalizes, and freeing them then aborts the process ("terminate called without an active
+    exception"; pytorch/pytorch#179291 describes it), turning a finished run into a failed one.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

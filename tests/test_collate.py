@@ -99,6 +99,40 @@ def test_no_attention_mask_and_shared_cu_seq_lens() -> None:
     assert "num_pad_tokens" not in batch
 
 
+# ------------------------------------------------------------------ keys the collator does not emit
+@pytest.mark.parametrize("kind", ["list", "tensor"])
+def test_attention_mask_of_ones_is_accepted_and_dropped(kind: str) -> None:
+    features = make_features([5, 7])
+    masked = [{**f, "attention_mask": [1] * len(f["input_ids"])} for f in features]
+    if kind == "tensor":
+        masked = as_tensors(masked)
+    batch, expected = PackingCollator()(masked), PackingCollator()(features)
+    assert "attention_mask" not in batch
+    assert_matches_reference(batch, reference_batch(features))
+    assert all(torch.equal(batch[key], expected[key]) for key in BOUNDARY_KEYS)
+
+
+def test_attention_mask_with_zeros_raises_naming_the_example() -> None:
+    features = [{**f, "attention_mask": [1] * len(f["input_ids"])} for f in make_features([5, 7, 4])]
+    features[1]["attention_mask"][-2:] = [0, 0]
+    with pytest.raises(ValueError, match=r"features\[1\]\.attention_mask: expected all ones .* unpadded"):
+        PackingCollator()(features)
+
+
+@pytest.mark.parametrize("key", ["loss_weight", "text", "position_ids"])
+def test_unknown_key_raises_naming_it_and_extra_token_keys(key: str) -> None:
+    features = make_features([3, 4])
+    features[1][key] = [1, 1, 1, 1]
+    with pytest.raises(ValueError, match=rf"features\[1\]\.{key}: not a key this collator takes.*extra_token_keys="):
+        PackingCollator()(features)
+
+
+def test_unknown_key_passes_once_named_in_extra_token_keys() -> None:
+    features = [{**f, "loss_weight": [0.5] * len(f["input_ids"])} for f in make_features([3, 4])]
+    batch = PackingCollator(extra_token_keys=("loss_weight",))(features)
+    assert batch["loss_weight"].tolist() == [[0.5] * 7]
+
+
 # ------------------------------------------------------------------ input kinds
 @pytest.mark.parametrize("kind", ["tensor", "numpy", "tuple", "mixed", "int32"])
 def test_input_kinds_agree_with_lists(kind: str) -> None:
@@ -228,7 +262,8 @@ def test_custom_extra_keys_follow_their_input_type() -> None:
     batch = PackingCollator(extra_token_keys=("weights", "sample_index"), pad_to_multiple_of=4)(features)
     assert batch["weights"].dtype == torch.float32 and batch["weights"][0].tolist() == [0.5, 1.0, 2.0, 0.0]
     assert batch["sample_index"].dtype == torch.int64 and batch["sample_index"][0].tolist() == [0, 0, 1, 0]
-    assert "response_mask" not in PackingCollator(extra_token_keys=())(make_features([2], extras=True))
+    with pytest.raises(ValueError, match=r"features\[0\]\.advantages: not a key this collator takes"):
+        PackingCollator(extra_token_keys=())(make_features([2], extras=True))
 
 
 def test_tensors_that_require_grad_come_out_detached() -> None:

@@ -16,7 +16,7 @@ from hybrid_pack.data.loaders import (
     load_toolcall_chats,
 )
 from hybrid_pack.data.tokenize import tokenize_chats
-from hybrid_pack.data.tokenizer import QWEN3_DIR, load_hf_tokenizer, load_tokenizer
+from hybrid_pack.data.tokenizer import QWEN3_DIR, load_hf_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
     "ASSETS_DIR",
@@ -31,5 +31,6 @@ __all__ = [
     "load_lengths",
     "load_tokenizer",
     "load_toolcall_chats",
+    "save_tokenizer",
     "tokenize_chats",
 ]

@@ -6,6 +6,7 @@ import functools
 import gzip
 import shutil
 import tempfile
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from tokenizers import Tokenizer
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["QWEN3_DIR", "load_hf_tokenizer", "load_tokenizer"]
+__all__ = ["QWEN3_DIR", "load_hf_tokenizer", "load_tokenizer", "save_tokenizer"]
 
 QWEN3_DIR = Path(__file__).resolve().parent / "assets" / "qwen3"
 """``tokenizer.json.gz`` (151,643 BPE tokens + 26 added tokens) and ``tokenizer_config.json``."""
@@ -31,17 +32,25 @@ def load_tokenizer() -> Tokenizer:
         return Tokenizer.from_str(f.read())
 
 
+def save_tokenizer(directory: str | PathLike[str]) -> None:
+    """Write the Qwen3 tokenizer as ``AutoTokenizer.from_pretrained(directory)`` reads it: ``tokenizer.json``,
+    ``tokenizer_config.json`` (with the chat template) and its licence."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with gzip.open(QWEN3_DIR / "tokenizer.json.gz", "rb") as packed, open(directory / "tokenizer.json", "wb") as out:
+        shutil.copyfileobj(packed, out)
+    shutil.copy(QWEN3_DIR / "tokenizer_config.json", directory)
+    shutil.copy(QWEN3_DIR / "LICENSE", directory / "LICENSE.tokenizer")
+
+
 def load_hf_tokenizer() -> PreTrainedTokenizerFast:
     """The Qwen3 tokenizer as a ``transformers`` fast tokenizer, with its chat template (offline).
 
-    Unpacks ``tokenizer.json`` beside ``tokenizer_config.json`` in a temporary folder and loads it
-    with ``AutoTokenizer.from_pretrained``; needs the ``hf`` extra (``transformers``).
+    Writes it to a temporary folder with :func:`save_tokenizer` and loads it with
+    ``AutoTokenizer.from_pretrained``; needs the ``hf`` extra (``transformers``).
     """
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="hybrid_pack_qwen3_") as folder:
-        with (gzip.open(QWEN3_DIR / "tokenizer.json.gz", "rb") as packed,
-              open(Path(folder) / "tokenizer.json", "wb") as unpacked):
-            shutil.copyfileobj(packed, unpacked)
-        shutil.copy(QWEN3_DIR / "tokenizer_config.json", folder)
+        save_tokenizer(folder)
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -8,7 +8,7 @@ the top-level ``models/`` folder load by name with :func:`from_preset`.
 from hybrid_pack.modeling.config import HybridConfig
 from hybrid_pack.modeling.model import CausalLMOutput, HybridForCausalLM, HybridModel
 from hybrid_pack.modeling.presets import from_preset, list_presets, preset_config
-from hybrid_pack.modeling.vocab import VocabRemap
+from hybrid_pack.modeling.vocab import VocabRemap, expand_vocabulary
 
 __all__ = ["HybridConfig", "HybridModel", "HybridForCausalLM", "CausalLMOutput", "from_preset", "list_presets",
-           "preset_config", "VocabRemap"]
+           "preset_config", "VocabRemap", "expand_vocabulary"]

@@ -42,7 +42,7 @@ from hybrid_pack.schema import (
 __all__ = ["CausalLMOutput", "HybridDecoderLayer", "HybridModel", "HybridForCausalLM"]
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_NAME = "model.safetensors"
 _MIXERS = {"G": GatedDeltaNet, "M": Mamba2, "A": Attention}
 
 
@@ -232,17 +232,24 @@ class HybridForCausalLM(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
     def save_pretrained(self, directory: str | PathLike[str]) -> None:
-        """Write ``config.json`` and ``pytorch_model.bin`` (the state dict) to ``directory``."""
+        """Write ``config.json`` and ``model.safetensors`` (the weights, a tied head stored once) to ``directory``."""
+        from safetensors.torch import save_model
+
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory / CONFIG_NAME)
-        torch.save(self.state_dict(), directory / WEIGHTS_NAME)
+        save_model(self, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, directory: str | PathLike[str], map_location: str | torch.device = "cpu"
                         ) -> HybridForCausalLM:
-        """Load a model written by :meth:`save_pretrained`."""
+        """Load a model written by :meth:`save_pretrained` onto ``map_location``."""
+        from safetensors.torch import load_model
+
         directory = Path(directory)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise InputError(f"directory: no {name} in {directory}; expected a folder written by save_pretrained")
         model = cls(HybridConfig.load(directory / CONFIG_NAME))
-        model.load_state_dict(torch.load(directory / WEIGHTS_NAME, map_location=map_location, weights_only=True))
+        load_model(model, directory / WEIGHTS_NAME, device=str(torch.device(map_location)))
         return model

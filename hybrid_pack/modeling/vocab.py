@@ -5,7 +5,8 @@ dominate a CPU demo (and its ``[T, 151669]`` logits would dominate memory). :cla
 keeps the ``size - 1`` most frequent ids of a training corpus as compact ids ``1..size-1`` and sends
 every other id to compact id 0 (``<unk>``). It belongs to the data side: remap ``input_ids`` and
 ``labels`` before collating, and map generated ids back with :meth:`VocabRemap.decode`.
-The ignore index ``-100`` passes through unchanged.
+The ignore index ``-100`` passes through unchanged. :func:`expand_vocabulary` gives a model trained on
+compact ids the tokenizer's ids back, so it is saved and used like any other.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import INPUT_IDS, LABELS
 
-__all__ = ["VocabRemap", "UNK_ID"]
+__all__ = ["UNK_ID", "VocabRemap", "expand_vocabulary"]
 
 UNK_ID = 0
 Ids = TypeVar("Ids", list, np.ndarray, torch.Tensor)
@@ -101,6 +102,29 @@ class VocabRemap:
     @classmethod
     def load(cls, path: str | PathLike[str]) -> VocabRemap:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@torch.no_grad()
+def expand_vocabulary(model: torch.nn.Module, remap: VocabRemap, vocab_size: int) -> None:
+    """Turn a model trained on ``remap``'s compact ids into one taking the tokenizer's ``vocab_size`` ids, in place.
+
+    Row ``i`` of the input embedding and of the output head becomes the compact row of tokenizer id ``i``: a
+    kept id keeps its own row, every other id gets the ``<unk>`` row. Fed tokenizer ids, the model then gives
+    the logits the compact model gave on their compact ids, over tokenizer ids: each kept id its own logit,
+    each other id the ``<unk>`` logit. A tied head stays tied; ``model.config.vocab_size`` becomes
+    ``vocab_size``. Works on any model with ``get_input_embeddings`` / ``get_output_embeddings`` (native or
+    Hugging Face).
+    """
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    rows = torch.as_tensor(remap.encode(np.arange(vocab_size, dtype=np.int64)), device=embed.weight.device)
+    tied = head.weight is embed.weight
+    embed.weight = torch.nn.Parameter(embed.weight[rows])
+    embed.num_embeddings = vocab_size
+    head.weight = embed.weight if tied else torch.nn.Parameter(head.weight[rows.to(head.weight.device)])
+    if getattr(head, "bias", None) is not None:
+        head.bias = torch.nn.Parameter(head.bias[rows.to(head.bias.device)])
+    head.out_features = vocab_size
+    model.config.vocab_size = vocab_size
 
 
 def _like(original: Ids, values: np.ndarray) -> Ids:

@@ -24,6 +24,7 @@ def run_benchmark(model: str = "qwen3-next-tiny", steps: int = 5, capacity: int 
                               compare_padded=True, progress=False, device=device))
     target = (0.95 if m["device"] == "cuda" else 0.9) * m["padded_tokens_ratio"]
     return {"model": model, "device": m["device"], "dtype": m["dtype"], "steps": m["steps"],
+            "timed_steps": m["timed_steps"],
             "packed_tokens_per_second": m["tokens_per_second"],
             "padded_tokens_per_second": m["padded_tokens_per_second"],
             "padded_tokens_per_real_token": m["padded_tokens_ratio"], "speedup": m["speedup"],

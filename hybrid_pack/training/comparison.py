@@ -1,13 +1,16 @@
 """``--compare-padded``: train the packed run's examples again the usual way, padded, and compare.
 
 The padded run starts from the same initial weights and takes the same examples, shuffled in dataset
-order, in batches of the mean pack's example count padded to their longest (what
-``DataCollatorWithPadding`` does). Reported: both throughputs, the padding ratio, the speed-up against
-its target, and whether the losses agree (the same batch packed and padded, and the ends of the runs).
+order, in as many batches as the packed run had rows (so as many optimizer steps), each padded to its
+longest (what ``DataCollatorWithPadding`` does). Reported: both throughputs (the first, warm-up step of
+each run excluded), the padding ratio, the speed-up against its target, flagged when below it (and said
+to be too short to judge under :data:`MIN_TIMED_STEPS`), and whether the losses agree (the same batch
+packed and padded, and the ends of the runs).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,12 +25,16 @@ from hybrid_pack.training.loop import REAL_TOKENS, MicroBatch, build_optimizer, 
 from hybrid_pack.training.padded import PaddingCollator
 from hybrid_pack.training.stats import RunStats
 
+MIN_TIMED_STEPS = 10
+"""Timed steps (after the warm-up step) below which a speed-up is too noisy to judge against its target."""
 
-def padded_steps(features: Sequence[dict[str, Any]], order: Sequence[int], batch_size: int,
+
+def padded_steps(features: Sequence[dict[str, Any]], order: Sequence[int], num_batches: int,
                  grad_accum: int) -> Iterator[list[MicroBatch]]:
-    """Optimizer steps of padded batches: ``order`` cut into batches of ``batch_size`` examples."""
+    """Optimizer steps of padded batches: ``order`` cut into ``num_batches`` batches (sizes differ by at most one)."""
     collator = PaddingCollator()
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    bounds = [round(i * len(order) / num_batches) for i in range(num_batches + 1)]
+    batches = [order[a:b] for a, b in itertools.pairwise(bounds) if b > a]
     for start in range(0, len(batches), grad_accum):
         micro = []
         for group in batches[start:start + grad_accum]:
@@ -62,24 +69,36 @@ def compare_padded(model: torch.nn.Module, initial_state: dict[str, torch.Tensor
     gap = same_batch_loss_gap(model, features, packed.groups[:3], device)
     used = sorted({i for group in packed.groups for i in group})
     order = [used[i] for i in torch.randperm(len(used), generator=torch.Generator().manual_seed(cfg.seed)).tolist()]
-    batch_size = max(1, round(len(used) / max(1, len(packed.groups))))
-    steps = math.ceil(math.ceil(len(order) / batch_size) / cfg.grad_accum)
+    num_batches = min(len(packed.groups), len(order))
+    steps = math.ceil(num_batches / cfg.grad_accum)
     optimizer, scheduler = build_optimizer(model, cfg, steps)
-    padded = train_pass(model, padded_steps(features, order, batch_size, cfg.grad_accum), total_steps=steps, cfg=cfg,
-                        device=device, autocast=autocast, world=1, describe="padded", optimizer=optimizer,
+    padded = train_pass(model, padded_steps(features, order, num_batches, cfg.grad_accum), total_steps=steps,
+                        cfg=cfg, device=device, autocast=autocast, world=1, describe="padded", optimizer=optimizer,
                         scheduler=scheduler, stats=RunStats())
     tail = max(1, len(packed.losses) // 5)
     packed_tail = sum(packed.losses[-tail:]) / tail
     padded_tail = sum(padded.losses[-tail:]) / tail
     tail_gap = abs(packed_tail - padded_tail) / max(abs(padded_tail), 1e-12)
     ratio = padded.computed_tokens / max(1, padded.real_tokens)
+    speedup = packed.tokens_per_second / max(padded.tokens_per_second, 1e-12)
+    timed_steps = min(len(packed.losses), len(padded.losses)) - 1
     metrics.update({
         "padded_tokens_per_second": padded.tokens_per_second, "padded_losses": padded.losses,
-        "padded_batch_size": batch_size, "padded_tokens_ratio": ratio,
-        "padded_peak_memory_bytes": padded.peak_memory_bytes,
-        "speedup": packed.tokens_per_second / max(padded.tokens_per_second, 1e-12),
-        "target_speedup": 0.9 * ratio,
+        "padded_steps": len(padded.losses), "padded_batch_size": len(order) / num_batches,
+        "padded_tokens_ratio": ratio, "padded_peak_memory_bytes": padded.peak_memory_bytes,
+        "timed_steps": timed_steps, "speedup": speedup, "target_speedup": 0.9 * ratio,
+        "speedup_meets_target": speedup >= 0.9 * ratio, "speedup_verdict": speedup_verdict(speedup, 0.9 * ratio,
+                                                                                            timed_steps),
         "same_batch_loss_rel_diff": gap, "final_loss_rel_diff": tail_gap,
         "losses_agree": gap < 1e-4 and tail_gap < 0.1,
     })
     return padded
+
+
+def speedup_verdict(speedup: float, target: float, timed_steps: int) -> str:
+    """``"meets target"`` or ``"BELOW TARGET"``, saying so when the run was too short to judge."""
+    verdict = "meets target" if speedup >= target else "BELOW TARGET"
+    if timed_steps < MIN_TIMED_STEPS:
+        verdict += (f", run too short to judge: {max(timed_steps, 0)} timed step(s) after the warm-up step, "
+                    f"need {MIN_TIMED_STEPS} (raise --max-steps / --max-examples)")
+    return verdict

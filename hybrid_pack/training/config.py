@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pack.errors import InputError
+from hybrid_pack.packing.plan import OVERFLOW_POLICIES
+from hybrid_pack.training.reporting import report_targets
 
 DEFAULT_GUARD_EVERY = 100
 """Packed micro-batches between two checks of the runtime guard (docs/guard.md: its cost at this N)."""
@@ -22,6 +24,9 @@ class TrainConfig:
         out: run directory (metrics.json, plots, checkpoint).
         capacity: tokens per packed row.
         max_examples: use the first N examples (None = all).
+        overflow: an example longer than ``capacity``: ``"error"`` (default, as :func:`~hybrid_pack.plan_packs`:
+            raise naming it), ``"truncate"`` (keep its first ``capacity`` tokens), ``"split"`` (pieces of at
+            most ``capacity`` tokens, each its own document) or ``"drop"``; every one is counted in metrics.json.
         epochs / max_steps: stop after the epochs or the optimizer steps, whichever comes first.
         grad_accum: packed rows per optimizer step.
         lr, warmup_steps, weight_decay, min_lr_ratio: AdamW with linear warm-up and cosine decay.
@@ -30,6 +35,8 @@ class TrainConfig:
         isolation_check: run the cross-contamination harness on the model first.
         checkpoint_every: optimizer steps between checkpoints (0 = only at the end).
         resume: continue from ``out/checkpoint.pt`` (``out/checkpoint/`` with ``fsdp``).
+        report_to: per-step metrics to ``"tensorboard"`` and / or ``"wandb"`` (a name or a list), ``"all"``
+            installed, or ``"none"`` (default), as ``transformers.TrainingArguments.report_to``.
         guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
             micro-batch and every N-th after it against its documents run alone; 0 turns it off.
         fsdp: under torchrun, shard the model with FSDP2 (every decoder block and the root) instead of DDP,
@@ -43,6 +50,7 @@ class TrainConfig:
     out: str = "runs/train"
     capacity: int = 2048
     max_examples: int | None = None
+    overflow: str = "error"
     epochs: int = 1
     max_steps: int | None = None
     grad_accum: int = 1
@@ -59,6 +67,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = False
     guard_every: int = DEFAULT_GUARD_EVERY
+    report_to: str | list[str] = "none"
     log_every: int = 1
     fsdp: bool = False
     context_parallel: int = 1
@@ -74,6 +83,9 @@ class TrainConfig:
             raise InputError(f"max_steps: expected a positive int or None; got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:
             raise InputError(f"max_examples: expected a positive int or None; got {self.max_examples}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise InputError(f"overflow: expected one of {', '.join(OVERFLOW_POLICIES)}; got {self.overflow!r}")
+        report_targets(self.report_to)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise InputError(f"dtype: expected 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
         if self.fsdp and self.context_parallel > 1:

@@ -1,20 +1,38 @@
-"""Training data: chats -> tokenized features with prompt tokens masked, in the model's vocabulary."""
+"""Training data: chats (or tokenized rows) -> features that fit a packed row, in the model's vocabulary.
+
+Nothing is lost silently: :func:`prepare_data` counts every example cut to ``capacity``, split into
+pieces, or left out (with the reason) in a :class:`DataReport`, which ``hybrid-pack train`` writes to
+``metrics.json`` and names in its summary.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_pack.data import load_gsm8k, tokenize_chats
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling.vocab import VocabRemap
-from hybrid_pack.schema import INPUT_IDS
+from hybrid_pack.packing.plan import OVERFLOW_POLICIES
+from hybrid_pack.packing.slicing import slice_example
+from hybrid_pack.schema import IGNORE_INDEX, INPUT_IDS, LABELS
 
 TOKENIZER_VOCAB = 151_669
 
+DROP_REASONS = {
+    "one_token": "one token (nothing to predict)",
+    "no_targets": "no target token (no assistant turn, or every label -100)",
+    "longer_than_capacity": "longer than --capacity (--overflow drop)",
+}
+"""Why an example is left out: the keys of ``dropped_examples_by_reason``, and their meaning."""
+
 
 def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any]]:
-    """``"gsm8k"`` (bundled train split) or a JSONL file with one ``{"messages": [...]}`` chat per line."""
+    """``"gsm8k"`` (bundled train split) or a JSONL file, one example per line: a chat
+    (``{"messages": [...]}``) or a tokenized example in the Qwen3 tokenizer's ids (``{"input_ids": [...]}``,
+    optionally ``"labels"``)."""
     if data == "gsm8k":
         chats = load_gsm8k("train")
     else:
@@ -24,28 +42,142 @@ def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                    raise InputError(f"data: line {number} of {data} has no 'messages' list; expected one "
-                                     '{"messages": [{"role": ..., "content": ...}, ...]} object per line')
+                if not isinstance(row, dict) or not (isinstance(row.get("messages"), list)
+                                                     or isinstance(row.get(INPUT_IDS), list)):
+                    raise InputError(f"data: line {number} of {data} has no 'messages' or 'input_ids' list; expected "
+                                     'one {"messages": [{"role": ..., "content": ...}, ...]} or {"input_ids": [...]} '
+                                     "object per line")
                 chats.append(row)
         if not chats:
             raise InputError(f"data: {data} holds no chats")
     return chats[:max_examples]
 
 
-def build_features(chats: list[dict[str, Any]], vocab_size: int, *,
-                   max_length: int) -> tuple[list[dict], VocabRemap | None]:
-    """Tokenize ``chats`` (Qwen3 ChatML, prompts masked) and, for a model with a smaller vocabulary than
-    the tokenizer's, remap ids to the ``vocab_size - 1`` most frequent ones (the rest become ``<unk>``).
+@dataclass
+class DataReport:
+    """What the data lost on the way to the packed rows.
 
-    Returns:
-        ``(features, remap)``: features are ``{"input_ids", "labels"}`` lists of ints; ``remap`` is None when
-        the model covers the tokenizer's vocabulary.
+    Attributes:
+        examples: examples read.
+        documents: documents trained on (examples kept, each piece of a split example counted).
+        truncated_examples: examples cut to ``capacity`` (``overflow="truncate"``).
+        split_examples: examples cut into pieces of at most ``capacity`` (``overflow="split"``).
+        dropped_examples_by_reason: examples (or, under split, pieces) left out, by :data:`DROP_REASONS` key.
+        examples_without_targets: of those, the ones of two or more tokens with no target token
+            (``dropped_examples_by_reason["no_targets"]``).
     """
-    features = tokenize_chats(chats, max_length=max_length)
-    features = [f for f in features if len(f[INPUT_IDS]) > 1]
-    if vocab_size >= TOKENIZER_VOCAB:
-        return features, None
-    remap = VocabRemap.from_corpus((f[INPUT_IDS] for f in features), size=vocab_size)
-    return [remap.encode_example(f) for f in features], remap
 
+    examples: int = 0
+    documents: int = 0
+    truncated_examples: int = 0
+    split_examples: int = 0
+    dropped_examples_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+
+    @property
+    def dropped_examples(self) -> int:
+        return sum(self.dropped_examples_by_reason.values())
+
+    @property
+    def examples_without_targets(self) -> int:
+        return self.dropped_examples_by_reason["no_targets"]
+
+    def to_metrics(self) -> dict[str, Any]:
+        return {"examples": self.examples, "documents": self.documents,
+                "truncated_examples": self.truncated_examples, "split_examples": self.split_examples,
+                "dropped_examples": self.dropped_examples,
+                "dropped_examples_by_reason": dict(self.dropped_examples_by_reason),
+                "examples_without_targets": self.examples_without_targets}
+
+
+@dataclass
+class TrainingData:
+    """Features ready for the sampler and collator (``{"input_ids", "labels"}`` lists of ints, each at most
+    ``capacity`` tokens with at least one target), the vocabulary remap (None when the model covers the
+    tokenizer's vocabulary) and what was lost on the way."""
+
+    features: list[dict[str, list[int]]]
+    remap: VocabRemap | None
+    report: DataReport
+
+
+def prepare_data(rows: Sequence[dict[str, Any]], vocab_size: int, *, capacity: int,
+                 overflow: str = "error") -> TrainingData:
+    """Tokenize ``rows`` (chats in Qwen3 ChatML, prompts masked; tokenized rows as given), fit every example
+    to ``capacity`` as ``overflow`` says (:func:`~hybrid_pack.plan_packs`' policies: ``"error"``,
+    ``"truncate"``, ``"split"``, ``"drop"``), leave out the ones with nothing to learn from, and, for a model
+    with a smaller vocabulary than the tokenizer's, remap ids to the ``vocab_size - 1`` most frequent ones.
+
+    Raises:
+        InputError: ``overflow="error"`` and an example is longer than ``capacity`` (the message names it).
+    """
+    if overflow not in OVERFLOW_POLICIES:
+        raise InputError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
+    report = DataReport(examples=len(rows))
+    features = []
+    for index, example in enumerate(_tokenize(rows)):
+        for document in _fit(index, example, capacity, overflow, report):
+            reason = _drop_reason(document)
+            if reason is None:
+                features.append(document)
+            else:
+                report.dropped_examples_by_reason[reason] += 1
+    report.documents = len(features)
+    if not features:
+        raise InputError(f"data: no example left to train on ({report.dropped_examples_by_reason})")
+    if vocab_size >= TOKENIZER_VOCAB:
+        return TrainingData(features, None, report)
+    remap = VocabRemap.from_corpus((f[INPUT_IDS] for f in features), size=vocab_size)
+    return TrainingData([remap.encode_example(f) for f in features], remap, report)
+
+
+def build_features(chats: list[dict[str, Any]], vocab_size: int, *, max_length: int,
+                   overflow: str = "truncate") -> tuple[list[dict], VocabRemap | None]:
+    """``(features, remap)`` of :func:`prepare_data` with ``capacity=max_length``; examples are cut to
+    ``max_length`` unless ``overflow`` says otherwise. :func:`prepare_data` also counts what was lost."""
+    data = prepare_data(chats, vocab_size, capacity=max_length, overflow=overflow)
+    return data.features, data.remap
+
+
+def _tokenize(rows: Sequence[dict[str, Any]]) -> list[dict[str, list[int]]]:
+    """Chats rendered and tokenized in one batch; tokenized rows checked and kept, in the order given."""
+    chats = [i for i, row in enumerate(rows) if INPUT_IDS not in row]
+    tokenized = dict(zip(chats, tokenize_chats([rows[i] for i in chats]), strict=True))
+    return [tokenized[i] if i in tokenized else _tokenized_row(i, row) for i, row in enumerate(rows)]
+
+
+def _tokenized_row(index: int, row: dict[str, Any]) -> dict[str, list[int]]:
+    ids, labels = row[INPUT_IDS], row.get(LABELS, row[INPUT_IDS])
+    if not all(isinstance(t, int) and 0 <= t < TOKENIZER_VOCAB for t in ids):
+        raise InputError(f"data[{index}].{INPUT_IDS}: expected Qwen3 token ids (ints in [0, {TOKENIZER_VOCAB}))")
+    if len(labels) != len(ids):
+        raise InputError(f"data[{index}].{LABELS}: expected {len(ids)} labels (one per input id); got {len(labels)}")
+    return {INPUT_IDS: list(ids), LABELS: list(labels)}
+
+
+def _fit(index: int, example: dict[str, list[int]], capacity: int, overflow: str,
+         report: DataReport) -> list[dict[str, list[int]]]:
+    """The documents ``example`` becomes under ``overflow``, counted in ``report``."""
+    length = len(example[INPUT_IDS])
+    if length <= capacity:
+        return [example]
+    if overflow == "error":
+        raise InputError(f"data: example {index} (counting from 0) has {length} tokens, more than --capacity "
+                         f"{capacity}; pass --overflow truncate, split or drop (overflow=...), or raise --capacity")
+    if overflow == "drop":
+        report.dropped_examples_by_reason["longer_than_capacity"] += 1
+        return []
+    if overflow == "truncate":
+        report.truncated_examples += 1
+        return [slice_example(example, 0, capacity)]
+    report.split_examples += 1
+    return [slice_example(example, start, min(start + capacity, length)) for start in range(0, length, capacity)]
+
+
+def _drop_reason(document: dict[str, list[int]]) -> str | None:
+    """Why ``document`` trains nothing (a :data:`DROP_REASONS` key), or None. Its first token is never a target:
+    the collator puts the separator there."""
+    if len(document[INPUT_IDS]) == 1:
+        return "one_token"
+    if all(label == IGNORE_INDEX for label in document[LABELS][1:]):
+        return "no_targets"
+    return None

@@ -59,8 +59,10 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step = start_step
-    for micro_batches in steps:
-        if step >= total_steps:
+    batches = iter(steps)
+    while step < total_steps:  # checked before drawing: a drawn step is a trained step
+        micro_batches = next(batches, None)
+        if micro_batches is None:
             break
         if guard is not None:
             guard.step = step

@@ -10,13 +10,19 @@ position, the stats, its random state) in ``rank<r>.pt``. A resumed run continue
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -27,7 +33,7 @@ from hybrid_pack.training.checkpoint import CheckpointSaver, restore_run_state, 
 from hybrid_pack.training.stats import RunStats
 
 __all__ = ["SHARDED_CHECKPOINT", "ShardedCheckpointSaver", "load_sharded_checkpoint", "parameters_checksum",
-           "save_sharded_checkpoint", "shard_model"]
+           "save_sharded_checkpoint", "shard_model", "unsharded_model"]
 
 SHARDED_CHECKPOINT = "checkpoint"
 """The checkpoint directory in the run directory."""
@@ -44,6 +50,20 @@ def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> dic
     if policy is None:
         return {"dtype": "float32", "mixed_precision": f"none: {device.type} has no bf16 FSDP2 mixed precision here"}
     return {"dtype": "bfloat16", "mixed_precision": "bf16 parameters and compute, float32 gradient reduction"}
+
+
+def unsharded_model(model: torch.nn.Module, build: Callable[[], torch.nn.Module], rank: int
+                    ) -> torch.nn.Module | None:
+    """The sharded ``model``'s full weights in a plain copy made by ``build()``, on rank 0 (None elsewhere).
+
+    A collective: every rank calls it. The full state dict is gathered to rank 0's host memory only.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    plain = build()
+    plain.load_state_dict(state)
+    return plain
 
 
 def parameters_checksum(model: torch.nn.Module) -> float:

@@ -2,8 +2,9 @@
 
 A run, step by step (:func:`train`): start the processes and pick the device; build the model and
 tokenize the data; optionally prove the model isolated first (the harness); plan the packs; attach the
-runtime guard; start or resume the optimizer; train; measure; optionally train the same examples
-padded and compare; write ``metrics.json`` and the plots.
+runtime guard; start or resume the optimizer; train; measure; save the model (``OUT/model``, the usual
+``save_pretrained`` directory in the tokenizer's ids); optionally train the same examples padded and
+compare; write ``metrics.json`` and the plots.
 
 Each optimizer step takes ``grad_accum`` packed rows from :class:`~hybrid_pack.PackedBatchSampler`
 (one per rank and micro-step), collated by :class:`~hybrid_pack.PackingCollator`; the model gets each
@@ -28,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
@@ -38,15 +40,18 @@ from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.checkpoint import CHECKPOINT, CheckpointSaver, load_checkpoint
 from hybrid_pack.training.comparison import compare_padded
 from hybrid_pack.training.config import TrainConfig
-from hybrid_pack.training.data import build_features, load_chats
+from hybrid_pack.training.data import TOKENIZER_VOCAB, TrainingData, load_chats, prepare_data
+from hybrid_pack.training.export import MODEL_DIR, save_trained_model
 from hybrid_pack.training.loop import REAL_TOKENS, MicroBatch, build_optimizer, train_pass
 from hybrid_pack.training.plots import plot_loss, plot_pack_fill
+from hybrid_pack.training.reporting import Reporter, report_targets
 from hybrid_pack.training.sharded import (
     SHARDED_CHECKPOINT,
     ShardedCheckpointSaver,
     load_sharded_checkpoint,
     parameters_checksum,
     shard_model,
+    unsharded_model,
 )
 from hybrid_pack.training.stats import RunStats
 
@@ -99,15 +104,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             dist.destroy_process_group()
         raise
     if proc.owns_process_group:
-        dist.barrier()  # every rank's collectives are finished (and freed) before the group goes
-        dist.destroy_process_group()
+        end_process_group()
     return metrics
 
 
 def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     model = build_model(cfg).to(proc.device)
-    features = _load_features(cfg, model, proc)
-    metrics = _run_metrics(cfg, proc, features)
+    data = _load_data(cfg, model, proc)
+    features = data.features
+    metrics = _run_metrics(cfg, proc, data)
     if cfg.isolation_check:
         _check_isolation_first(model, cfg, proc, metrics)
     if cfg.fsdp:  # FSDP2's mixed-precision policy casts, not autocast
@@ -130,6 +135,9 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
         if guard is not None:
             guard.detach()
     metrics.update(_packed_metrics(model, stats, sampler, lengths, cfg, proc))
+    exported = unsharded_model(model, lambda: build_model(cfg), proc.rank) if cfg.fsdp else model
+    if proc.rank == 0:
+        metrics.update(save_trained_model(exported, data.remap, proc.out / MODEL_DIR, TOKENIZER_VOCAB))
     padded_stats = None
     if cfg.compare_padded:
         padded_stats = compare_padded(model, initial_state, features, stats, cfg, proc.device, proc.autocast, metrics)
@@ -184,20 +192,21 @@ def _start(cfg: TrainConfig) -> _Process:
                     owns_process_group=owns_process_group, mesh=mesh)
 
 
-def _load_features(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> list[dict[str, Any]]:
-    """Tokenized examples in the model's vocabulary (a vocabulary remap is saved when one is needed)."""
-    features, remap = build_features(load_chats(cfg.data, cfg.max_examples), model.config.vocab_size,
-                                     max_length=cfg.capacity)
-    if remap is not None and proc.rank == 0:
-        remap.save(proc.out / "vocab_remap.json")
-    return features
+def _load_data(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> TrainingData:
+    """Tokenized examples fit to ``capacity`` (``cfg.overflow``), in the model's vocabulary (a vocabulary remap
+    is saved when one is needed), with the count of what was cut or left out."""
+    data = prepare_data(load_chats(cfg.data, cfg.max_examples), model.config.vocab_size, capacity=cfg.capacity,
+                        overflow=cfg.overflow)
+    if data.remap is not None and proc.rank == 0:
+        data.remap.save(proc.out / "vocab_remap.json")
+    return data
 
 
-def _run_metrics(cfg: TrainConfig, proc: _Process, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"model": cfg.model, "data": cfg.data, "examples": len(features), "device": proc.device.type,
-            "dtype": str(proc.autocast or torch.float32).removeprefix("torch."), "world_size": proc.world,
-            "context_parallel": cfg.context_parallel,
-            "capacity": cfg.capacity, "isolation_ok": None}
+def _run_metrics(cfg: TrainConfig, proc: _Process, data: TrainingData) -> dict[str, Any]:
+    return {"model": cfg.model, "data": cfg.data, **data.report.to_metrics(), "overflow": cfg.overflow,
+            "device": proc.device.type, "dtype": str(proc.autocast or torch.float32).removeprefix("torch."),
+            "world_size": proc.world, "context_parallel": cfg.context_parallel, "capacity": cfg.capacity,
+            "isolation_ok": None}
 
 
 def _check_isolation_first(model: torch.nn.Module, cfg: TrainConfig, proc: _Process, metrics: dict[str, Any]) -> None:
@@ -228,11 +237,21 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
     saver = (ShardedCheckpointSaver if cfg.fsdp else CheckpointSaver)(
         proc.out / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT), model, optimizer, scheduler, sampler, stats,
         every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
+    reporter = Reporter(report_targets(cfg.report_to) if proc.rank == 0 else (), proc.out, cfg.to_dict())
+
+    def after_step(step: int) -> None:
+        saver(step)
+        reporter.log(step, {"train/loss": stats.losses[-1], "train/learning_rate": scheduler.get_last_lr()[0],
+                            "train/tokens_per_second": stats.tokens_per_second})
+
     steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, proc.cp_group,
                          cfg.context_parallel)
-    return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device, autocast=proc.autocast,
-                      world=proc.world, describe="packed", optimizer=optimizer, scheduler=scheduler, stats=stats,
-                      start_step=start_step, on_step=saver, guard=guard)
+    try:
+        return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device,
+                          autocast=proc.autocast, world=proc.world, describe="packed", optimizer=optimizer,
+                          scheduler=scheduler, stats=stats, start_step=start_step, on_step=after_step, guard=guard)
+    finally:
+        reporter.close()
 
 
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],

@@ -200,7 +200,7 @@ def test_dataloader_with_the_real_collator(packs_per_step):
 
 
 def test_sliced_dataset_feeds_split_pieces_to_the_collator():
-    dataset = [{"input_ids": list(range(n)), "labels": list(range(n)), "source": "x" * n} for n in (250, 40, 90)]
+    dataset = [{"input_ids": list(range(n)), "labels": list(range(n))} for n in (250, 40, 90)]
     sampler = PackedBatchSampler([250, 40, 90], 100, overflow="split")
     loader = DataLoader(SlicedDataset(dataset), batch_sampler=sampler, collate_fn=PackingCollator())
     tokens = sorted(t for batch in loader for t in batch["input_ids"][0].tolist())

@@ -111,7 +111,8 @@ def test_small_buffer_still_packs_tightly():
 def test_hugging_face_iterable_dataset_and_dataloader():
     datasets = pytest.importorskip("datasets")
     lengths = np.random.default_rng(3).integers(1, 100, 300).tolist()
-    iterable = datasets.Dataset.from_list(_examples(lengths)).to_iterable_dataset()
+    iterable = datasets.Dataset.from_list(_examples(lengths)).select_columns(["input_ids", "labels"])
+    iterable = iterable.to_iterable_dataset()
     stream = pack_stream(iterable, 256, buffer_size=64)
     loader = DataLoader(stream, batch_size=None, collate_fn=PackingCollator())
     total = 0

@@ -116,7 +116,8 @@ def test_halo_plan_is_flat_in_row_length_for_the_conv():
         assert plan.halo_tokens == 3 and np.sum([c for _, c in plan.receives]) == 3
 
 
-TRAIN_SETTINGS = {"max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32", "guard_every": 0}
+TRAIN_SETTINGS = {"max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32", "guard_every": 0,
+                  "overflow": "truncate"}
 
 
 def _train_under_torchrun(out: Path, nproc: int, *options: str) -> dict:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from hybrid_pack.modeling import HybridForCausalLM
 from hybrid_pack.packing import PackedBatchSampler
 from hybrid_pack.schema import INPUT_IDS
 from hybrid_pack.training import TrainConfig, build_model
@@ -59,6 +60,12 @@ def test_fsdp_training_equals_one_process_resumes_exactly_and_guards_every_rank(
     assert trained.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+    saved = HybridForCausalLM.from_pretrained(full / "model").state_dict()  # gathered from the shards on rank 0
+    same_shape = [name for name, value in expected.items() if saved[name].shape == value.shape]
+    assert len(same_shape) >= len(expected) - 2  # only the embedding and the head are expanded to the tokenizer
+    for name in same_shape:
+        torch.testing.assert_close(saved[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
     guard = metrics["guard"]
     assert [r["checks"] for r in guard["ranks"]] == [SETTINGS["max_steps"]] * RANKS

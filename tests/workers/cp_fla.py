@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.ops import gated_delta_rule
 from hybrid_pack.ops.conv.kernel_fla_cp import causal_conv1d_fla_cp
 from hybrid_pack.ops.fla_cp import FLA_CP
@@ -45,8 +46,9 @@ def main(out: str) -> None:
             results[f"{name}/{layout.name}"] = compare(name, signature, row, sharded, fn)
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "world_size": world_size, "results": results}, f)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_finalizing(0)

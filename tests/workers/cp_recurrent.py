@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import gated_delta_rule
 from hybrid_pack.ops.dispatch.cp_check import adversarial_cp_row, cp_verdict
@@ -197,8 +198,9 @@ def main(out: str) -> None:
     results["bad_input"] = bad_input(LAYOUTS["spans_four_ranks"].boundaries(), rank, world_size)
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "world_size": world_size, "results": results}, f)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_finalizing(0)

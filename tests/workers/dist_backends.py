@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries, backends
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.ops.dispatch.registry import reference_of
 from hybrid_pack.parallel.fsdp import apply_fsdp
@@ -45,9 +46,9 @@ def main(out: str) -> None:
     ran = {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"ran": ran, "report": backends.report(device="cpu")}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_finalizing(0)

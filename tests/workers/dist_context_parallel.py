@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries, PackingCollator
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
@@ -240,8 +241,9 @@ def main(out_path: str, groups: list[str]) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(verdicts, f, indent=1)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    exit_without_finalizing(0)

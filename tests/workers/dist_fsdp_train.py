@@ -17,10 +17,12 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.training import TrainConfig, sharded, train
 
 SETTINGS = {"max_examples": 32, "capacity": 512, "max_steps": 4, "guard_every": 1, "checkpoint_every": 2,
-            "progress": False, "fsdp": True, "warmup_steps": 1, "lr": 1e-4}
+            "progress": False, "fsdp": True, "warmup_steps": 1, "lr": 1e-4,
+            "overflow": "truncate"}
 """A small learning rate: Adam turns a rounding difference in a near-zero gradient (the ranks' reduction sums in
 another order than one process) into a step of up to ``lr``; at 1e-4 that stays within the 1e-5 compared."""
 
@@ -53,9 +55,9 @@ def main(out: str) -> None:
     with stop_after_step_two():
         train(TrainConfig(out=os.path.join(out, "resumed"), **SETTINGS))
     train(TrainConfig(out=os.path.join(out, "resumed"), resume=True, **SETTINGS))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_finalizing(0)

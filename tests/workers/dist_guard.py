@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.errors import IsolationError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel.fsdp import apply_fsdp
@@ -85,9 +86,9 @@ def main(out: str, scenario: str) -> None:
                          "leak_rank": report.layouts[0].leak_rank, "module": report.first_leaking_module}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_without_finalizing(0)

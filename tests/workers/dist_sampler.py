@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.packing import PackedBatchSampler
 
 NUM_EXAMPLES = 400
@@ -80,9 +81,10 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world_size": world_size, "num_examples": NUM_EXAMPLES, "ranks": gathered}, f)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1])
+    exit_without_finalizing(0)

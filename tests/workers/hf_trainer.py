@@ -19,6 +19,7 @@ import torch
 from transformers import TrainingArguments
 
 from hybrid_pack import packed_loss
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 
 NUM_EXAMPLES = 240
@@ -60,14 +61,6 @@ def main(out: str, checkpoint: str | None) -> None:
     end_process_group()
 
 
-def end_process_group() -> None:
-    """The Trainer starts the process group and leaves it open, and gloo can abort at exit with it open. The
-    barrier lets gloo's worker thread finish freeing the last collectives before the group is destroyed:
-    freeing them needs the GIL, which the main thread holds while it joins that thread in the destructor."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    exit_without_finalizing(0)

@@ -15,10 +15,10 @@ import sys
 
 from transformers import TrainingArguments
 
+from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.errors import InputError
 from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 from hybrid_pack.modeling import from_preset
-from tests.workers.hf_trainer import end_process_group
 
 
 def main(out: str) -> None:
@@ -39,3 +39,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_finalizing(0)

@@ -5,15 +5,20 @@
 packed ``DataLoader`` and hands the model ready ``boundaries=`` built on the host. The sampler
 yields every rank's steps interleaved (``rank=None``), the layout accelerate's
 ``BatchSamplerShard`` splits across processes, and a callback sets its epoch so each epoch (and a
-resumed one) walks its own order.
+resumed one) walks its own order. Every training log carries ``tokens_per_second``: real (non-padding)
+tokens of every rank since the previous log over the time since it (``Trainer``'s own
+``train_samples_per_second`` counts packed rows, not tokens), and ``real_tokens_seen``; the final metrics
+carry ``train_tokens_per_second``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
@@ -46,13 +51,33 @@ class PackedBatches:
 
     packing_collator: Callable[[Any], dict[str, Any]] | None = None
     packed_sampler: PackedBatchSampler | None = None
+    _tokens_since_log = 0       # this rank's real training tokens since the last training log
+    _real_tokens_seen = 0       # every rank's, up to the last training log
+    _log_clock: float | None = None
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
+        if boundaries is not None and self.model.training:  # type: ignore[attr-defined]
+            self._log_clock = self._log_clock or time.perf_counter()
+            self._tokens_since_log += boundaries.total_tokens - boundaries.num_pad_tokens  # host ints: no sync
         inputs = super()._prepare_inputs(inputs)  # type: ignore[misc]
         if boundaries is not None:
             inputs[BOUNDARIES] = boundaries.to(self.args.device)  # type: ignore[attr-defined]
         return inputs
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add real tokens/s to a training log (one all-reduce, on every rank, as the loss already takes)."""
+        if "loss" in logs and self._log_clock is not None:
+            tokens = torch.tensor(self._tokens_since_log, device=self.args.device)  # type: ignore[attr-defined]
+            tokens = int(self.accelerator.reduce(tokens, reduction="sum"))  # type: ignore[attr-defined]
+            now = time.perf_counter()
+            self._real_tokens_seen += tokens
+            logs["tokens_per_second"] = tokens / max(now - self._log_clock, 1e-9)
+            logs["real_tokens_seen"] = self._real_tokens_seen
+            self._tokens_since_log, self._log_clock = 0, now
+        if "train_runtime" in logs and self._real_tokens_seen:
+            logs["train_tokens_per_second"] = self._real_tokens_seen / max(logs["train_runtime"], 1e-9)
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def use_packed_sampler(self, sampler: PackedBatchSampler) -> None:
         """Draw training rows from ``sampler`` (its epoch follows the trainer's)."""

@@ -1,0 +1,35 @@
+"""PackedTrainer logs real (non-padding) tokens/s, counted on the host, not samples/s of packs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hybrid_pack import PackedBatchSampler, PackingCollator
+from hybrid_pack.modeling import from_preset
+from hybrid_pack.schema import INPUT_IDS
+from hybrid_pack.training.data import build_features, load_chats
+
+
+def test_packed_trainer_logs_real_tokens_per_second(tmp_path) -> None:
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    model = from_preset("qwen3-next-tiny", vocab_size=512)
+    features, _ = build_features(load_chats("gsm8k", 24), model.config.vocab_size, max_length=512)
+    lengths = [len(f[INPUT_IDS]) for f in features]
+    args = TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=1, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=features, lengths=lengths, capacity=512,
+                            collator=PackingCollator(pad_to_multiple_of=128))  # padding that must not count
+    trainer.train()
+
+    packs = itertools.islice(PackedBatchSampler(lengths, 512, rank=None, seed=args.seed), 3)
+    real = list(itertools.accumulate(sum(lengths[i] for i in pack) for pack in packs))
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["real_tokens_seen"] for log in logs] == real
+    assert all(log["tokens_per_second"] > 0 for log in logs)
+    final = trainer.state.log_history[-1]
+    assert final["train_tokens_per_second"] == pytest.approx(real[-1] / final["train_runtime"])
