@@ -250,7 +250,7 @@ def _run_check(args: argparse.Namespace) -> int:
             lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
             device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = _model_for_check(args.model, patch=not args.no_patch).to(device, getattr(torch, args.dtype))
-            report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed)
+            report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed, progress=True)
     report.model = args.model or args.trainer
     print(report)
     if args.json:
@@ -266,7 +266,7 @@ def _run_backends(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     failed = False
     if args.verify:
-        results = verify(device=args.device, dtype=dtype)
+        results = verify(device=args.device, dtype=dtype, progress=True)
         print(f"self-checks on {results[0].device if results else args.device}, with backward\n")
         print(f"{'op':<12} {'backend':<14} {'dtype':<9} {'result':<7} {'max error':>9} {'seconds':>8}")
         for r in results:
