@@ -129,3 +129,11 @@ def test_progress_bar_on_stderr_when_asked(capsys):
     assert "isolation check" in capsys.readouterr().err
     check_isolation(_model(clean_mixers(DIM)), lengths=[3, 5], progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_cli_check_prints_the_verdict_and_shows_progress(capsys):
+    from hybrid_pack.cli import main
+
+    assert main(["check", "bamba-tiny", "--lengths", "3,5", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("ISOLATED: bamba-tiny") and "isolation check" in captured.err
