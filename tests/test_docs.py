@@ -2,8 +2,8 @@
 
 Each block is a complete program: it runs alone, in a fresh interpreter, from a scratch directory.
 A block fenced ```python continued carries on from the block before it in the same file; the two
-(or more) are run joined, as one program. Commands that need torchrun or a GPU are fenced as
-```bash or ```text, never ```python (docs/api.md, "Docs that run").
+(or more) are run joined, as one program. Signatures, and commands that need torchrun or a GPU, are
+fenced as ```text or ```bash, never ```python (docs/architecture.md, "Docs that run").
 """
 
 from __future__ import annotations
