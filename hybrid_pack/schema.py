@@ -46,8 +46,9 @@ ATTENTION_MASK = "attention_mask"
 BOUNDARIES = "boundaries"
 NUM_ITEMS_IN_BATCH = "num_items_in_batch"
 USE_CACHE = "use_cache"
-CACHE_KEYS = ("past_key_values", "cache_params")
-"""Model keywords carrying a KV / recurrent-state cache (refused on packed rows: a cache mixes documents)."""
+CACHE_KEYS = ("past_key_values", "cache_params", "cache")
+"""Model keywords carrying a KV / recurrent-state cache (refused on packed rows: a cache mixes documents).
+transformers 5.24 renamed the first two to ``cache`` (the old names still accepted)."""
 
 
 class _PackedBatchKeys(TypedDict):

@@ -156,3 +156,14 @@ def test_patch_model_does_not_warn_on_the_installed_transformers() -> None:
         warnings.simplefilter("always")
         patch_model(tiny_model("lfm2"))
     assert not [w for w in caught if "patch_model is tested with transformers" in str(w.message)]
+
+
+@pytest.mark.parametrize("key", ["past_key_values", "cache"])
+def test_a_cache_is_refused_on_a_packed_call(key: str) -> None:
+    """transformers 5.24 renamed ``past_key_values`` / ``cache_params`` to ``cache``: every name is refused."""
+    from transformers import DynamicCache
+
+    model = patch_model(tiny_model("qwen3_next"))
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match=f"{key}: a KV / state cache cannot be used with a packed batch"):
+        model(input_ids=_ids(1, 7), **{key: cache}, **PackedBoundaries.from_lengths([3, 4]).hf_kwargs())
