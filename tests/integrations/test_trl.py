@@ -251,14 +251,6 @@ def _docs_scripts() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
 
 
-def test_docs_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first Python block of docs/trl.md runs as written (in a scratch directory)."""
-    monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {}
-    exec(compile(_docs_scripts()[0], str(DOCS), "exec"), namespace)
-    assert namespace["report"].ok, str(namespace["report"])
-
-
 @pytest.mark.slow
 def test_docs_measurement_prints_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
