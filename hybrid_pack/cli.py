@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="force backends: 'torch' (every op) or op=name, repeatable (conv=torch)")
     check.add_argument("--lengths", default=None, help="comma-separated document lengths (default: adversarial set)")
     check.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    check.add_argument("--vocab-size", type=int, default=None,
+                       help="a preset's vocabulary size (default: the preset's; 151680 is Qwen3's full vocabulary)")
     check.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     check.add_argument("--no-grads", action="store_true", help="skip the gradient check")
     check.add_argument("--no-patch", action="store_true", help="check a Hugging Face model without patch_model")
@@ -233,7 +235,12 @@ def _forced_backends(values: Sequence[str]) -> dict[str, str]:
     return forced
 
 
-def _model_for_check(name: str, *, patch: bool) -> Any:
+def _model_for_check(name: str, *, patch: bool, vocab_size: int | None) -> Any:
+    from hybrid_pack.errors import InputError
+
+    is_hf = name.startswith("hf:") or (Path(name) / "config.json").is_file()
+    if vocab_size is not None and is_hf:
+        raise InputError(f"--vocab-size: only a preset's vocabulary can be changed; {name!r} is a Hugging Face model")
     if name.startswith("hf:"):
         from hybrid_pack.integrations.transformers.tiny import tiny_model
 
@@ -245,7 +252,7 @@ def _model_for_check(name: str, *, patch: bool) -> Any:
     else:
         from hybrid_pack.modeling import from_preset
 
-        return from_preset(name).eval()
+        return from_preset(name, **({} if vocab_size is None else {"vocab_size": vocab_size})).eval()
     if patch:
         from hybrid_pack.integrations.transformers import patch_model
 
@@ -293,8 +300,9 @@ def _run_check(args: argparse.Namespace) -> int:
         else:
             lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
             device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            model = _model_for_check(args.model, patch=not args.no_patch).to(device, getattr(torch, args.dtype))
-            report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed)
+            model = _model_for_check(args.model, patch=not args.no_patch, vocab_size=args.vocab_size)
+            model = model.to(device, getattr(torch, args.dtype))
+            report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed, progress=True)
     report.model = args.model or args.trainer
     print(report)
     if args.json:
@@ -310,7 +318,7 @@ def _run_backends(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     failed = False
     if args.verify:
-        results = verify(device=args.device, dtype=dtype)
+        results = verify(device=args.device, dtype=dtype, progress=True)
         print(f"self-checks on {results[0].device if results else args.device}, with backward\n")
         print(f"{'op':<12} {'backend':<14} {'dtype':<9} {'result':<7} {'max error':>9} {'seconds':>8}")
         for r in results:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["HybridPackError", "InputError", "BoundaryError", "UnsupportedModelError", "BackendUnavailableError",
-           "IsolationError"]
+           "IsolationError", "MissingExtraError"]
 
 
 class HybridPackError(ValueError):
@@ -31,6 +31,21 @@ class UnsupportedModelError(HybridPackError):
 
 class BackendUnavailableError(HybridPackError, RuntimeError):
     """A backend that was asked for by name cannot run these inputs here (also a :class:`RuntimeError`)."""
+
+
+class MissingExtraError(HybridPackError, ImportError):
+    """A part of hybrid_pack needs an optional dependency that is not installed (also an :class:`ImportError`).
+
+    Args:
+        feature: what was used, e.g. ``"PackedTrainer"``.
+        extra: the ``pyproject.toml`` extra that installs the dependency, e.g. ``"hf"``.
+        error: the ImportError raised by the missing import.
+    """
+
+    def __init__(self, feature: str, extra: str, error: ImportError) -> None:
+        missing = error.name or str(error)
+        super().__init__(f"{feature} needs the [{extra}] extra ({missing} could not be imported): "
+                         f"pip install 'hybrid_pack[{extra}]'")
 
 
 class IsolationError(HybridPackError, AssertionError):

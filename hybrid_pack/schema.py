@@ -49,8 +49,9 @@ NUM_ITEMS_IN_BATCH = "num_items_in_batch"
 SHIFT_LABELS = "shift_labels"
 """Labels already shifted (the target of position t at t), as a context-parallel shard carries them."""
 USE_CACHE = "use_cache"
-CACHE_KEYS = ("past_key_values", "cache_params")
-"""Model keywords carrying a KV / recurrent-state cache (refused on packed rows: a cache mixes documents)."""
+CACHE_KEYS = ("past_key_values", "cache_params", "cache")
+"""Model keywords carrying a KV / recurrent-state cache (refused on packed rows: a cache mixes documents).
+transformers 5.24 renamed the first two to ``cache`` (the old names still accepted)."""
 
 
 class _PackedBatchKeys(TypedDict):

@@ -23,15 +23,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from datasets import Dataset
-from trl import SFTTrainer
-
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.trainer import PackedBatches
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import INPUT_IDS, LABELS
+
+try:
+    import accelerate  # noqa: F401  (imported first: trl's lazy imports would wrap a missing one in a RuntimeError)
+    import transformers  # noqa: F401
+    from datasets import Dataset
+    from trl import SFTTrainer
+except ImportError as err:
+    raise MissingExtraError("PackedSFTTrainer", "trl", err) from err
 
 __all__ = ["PackedRowsCollator", "PackedSFTTrainer", "TRL_SEQ_LENGTHS"]
 

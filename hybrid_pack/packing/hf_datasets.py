@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.packing.plan import PackPlan, plan_packs
 from hybrid_pack.schema import INPUT_IDS
 
@@ -92,7 +92,10 @@ def tokenize_and_plan(
         A :class:`TokenizedPlan` ``(dataset, lengths, plan)``. An example with no token raises
         :class:`~hybrid_pack.errors.InputError` (filter empty texts first).
     """
-    import datasets
+    try:
+        import datasets
+    except ImportError as err:
+        raise MissingExtraError("tokenize_and_plan", "hf", err) from err
 
     if text_column not in dataset.column_names:
         raise InputError(f"text_column: expected one of the dataset's columns {dataset.column_names}; "

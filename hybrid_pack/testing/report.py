@@ -14,10 +14,11 @@ class DocumentResult:
     Attributes:
         index: position of the document in the row.
         length: its tokens.
-        alone_diff: max |logits packed - logits of the document run alone| (relative to the largest logit); on a
-            training step, of whatever it is judged by: per-token log-probs or its loss (absolute), or logits.
-        perturbation_leak: max change of *other* documents' logits when this document's tokens change.
-        gradient_leak: max |d loss(this document) / d embeddings of other documents|.
+        alone_diff: max |outputs packed - outputs of the document run alone| (relative to the largest output); the
+            outputs are the report's ``compared`` (logits, or the hidden states entering the output head); on a
+            training step, whatever it is judged by: per-token log-probs or its loss (absolute), or logits.
+        perturbation_leak: max change of *other* documents' outputs when this document's tokens change.
+        gradient_leak: max |d (random weighting of this document's outputs) / d embeddings of other documents|.
     """
 
     index: int
@@ -64,6 +65,7 @@ class IsolationReport:
     layouts: list[LayoutResult]
     skipped: list[str] = field(default_factory=list)
     error: str | None = None
+    compared: str | None = None  # what check_isolation compared: logits, or the hidden states entering the head
 
     @property
     def ok(self) -> bool:
@@ -85,7 +87,8 @@ class IsolationReport:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "max_leak": self.max_leak, "first_leaking_module": self.first_leaking_module,
                 "model": self.model, "dtype": self.dtype, "atol": self.atol, "grad_atol": self.grad_atol,
-                "error": self.error, "skipped": self.skipped, "layouts": [asdict(lay) for lay in self.layouts]}
+                "compared": self.compared, "error": self.error, "skipped": self.skipped,
+                "layouts": [asdict(lay) for lay in self.layouts]}
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -94,6 +97,8 @@ class IsolationReport:
         verdict = "ISOLATED" if self.ok else "LEAK"
         lines = [f"{verdict}: {self.model} ({self.dtype}), max leak {self.max_leak:.3g} "
                  f"(tolerance {self.atol:.1g}, gradients {self.grad_atol:.1g})"]
+        if self.compared:
+            lines.append(f"  compared: {self.compared}")
         if self.error:
             lines.append(f"  error: {self.error}")
         for lay in self.layouts:

@@ -213,7 +213,8 @@ def _check_isolation_first(model: torch.nn.Module, cfg: TrainConfig, proc: _Proc
     """The harness on the model before any training; a leak stops the run (report in ``isolation.json``)."""
     from hybrid_pack.testing import check_isolation
 
-    report = check_isolation(model, max_tokens=min(cfg.capacity, 512), seed=cfg.seed)
+    report = check_isolation(model, max_tokens=min(cfg.capacity, 512), seed=cfg.seed,
+                             progress=cfg.progress and proc.rank == 0)
     metrics["isolation_ok"] = report.ok
     metrics["isolation_max_leak"] = report.max_leak
     if proc.rank == 0:

@@ -148,3 +148,22 @@ def test_a_copy_of_a_patched_model_runs_its_own_weights() -> None:
         assert (copy(input_ids=ids, **batch).logits - model(input_ids=ids, **batch).logits).abs().max() > 1e-3
         torch.testing.assert_close(copy(input_ids=ids).logits, copy.base_model(input_ids=ids).last_hidden_state
                                    @ copy.lm_head.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_model_does_not_warn_on_the_installed_transformers() -> None:
+    """The installed transformers (the current release) is inside the tested range the hf extra pins."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch_model(tiny_model("lfm2"))
+    assert not [w for w in caught if "patch_model is tested with transformers" in str(w.message)]
+
+
+@pytest.mark.parametrize("key", ["past_key_values", "cache"])
+def test_a_cache_is_refused_on_a_packed_call(key: str) -> None:
+    """transformers 5.24 renamed ``past_key_values`` / ``cache_params`` to ``cache``: every name is refused."""
+    from transformers import DynamicCache
+
+    model = patch_model(tiny_model("qwen3_next"))
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match=f"{key}: a KV / state cache cannot be used with a packed batch"):
+        model(input_ids=_ids(1, 7), **{key: cache}, **PackedBoundaries.from_lengths([3, 4]).hf_kwargs())

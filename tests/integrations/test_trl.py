@@ -116,7 +116,10 @@ def test_lora_on_the_patched_model_keeps_documents_apart(family: str, tmp_path: 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_torch_compile_keeps_documents_apart(family: str, tmp_path: Path) -> None:
     """``torch_compile=True``: accelerate compiles the model when training starts; the harness then runs the
-    compiled model (``trainer.model_wrapped``)."""
+    compiled model (``trainer.model_wrapped``). Dynamo starts afresh, as in a new process: after earlier tests'
+    compiles, the MoE router logits (which transformers records through a ContextVar, which dynamo does not
+    trace) came back empty and TRL's auxiliary loss failed on the empty tuple (transformers 5.24, TRL 1.16)."""
+    torch._dynamo.reset()
     model = patch_model(tiny_model(family).train())
     config = _config(tmp_path, torch_compile=True, torch_compile_backend="eager", per_device_train_batch_size=1)
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=_texts(), processing_class=tiny_tokenizer())
@@ -246,14 +249,6 @@ def test_router_aux_loss_couples_documents_by_design(tmp_path: Path) -> None:
 
 def _docs_scripts() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
-
-
-def test_docs_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first Python block of docs/trl.md runs as written (in a scratch directory)."""
-    monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {}
-    exec(compile(_docs_scripts()[0], str(DOCS), "exec"), namespace)
-    assert namespace["report"].ok, str(namespace["report"])
 
 
 @pytest.mark.slow

@@ -272,8 +272,10 @@ def test_cli_verify_exits_1_when_a_backend_fails(capsys: pytest.CaptureFixture[s
     assert cli_main(["backends", "--verify", "--device", "cpu"]) == 0
     register_planted("conv", "one_percent_off")
     assert cli_main(["backends", "--verify", "--device", "cpu"]) == 1
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "conv" in out and PLANTED in out and "FAILED" in out and "differs by 0.01" in out
+    assert "self-checks" in captured.err  # the progress bar
 
 
 def test_register_validates_its_arguments() -> None:

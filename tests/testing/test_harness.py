@@ -5,15 +5,24 @@ import json
 import pytest
 import torch
 
+from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.testing import IsolationError, adversarial_layouts, assert_isolated, check_isolation
 from tests.testing.leaky_zoo import LEAKY, ToyLM, clean_mixers
 
 DIM = 16
 
 
-def _model(mixers: list) -> ToyLM:
+class ToyLMWithHead(ToyLM):
+    """The toy LM naming its output head, as Hugging Face and native models do: the harness then compares the
+    hidden states that enter the head instead of the logits."""
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.head
+
+
+def _model(mixers: list, *, named_head: bool = False) -> ToyLM:
     torch.manual_seed(0)
-    return ToyLM(mixers, dim=DIM).double()
+    return (ToyLMWithHead if named_head else ToyLM)(mixers, dim=DIM).double()
 
 
 def test_clean_model_is_never_flagged():
@@ -24,10 +33,12 @@ def test_clean_model_is_never_flagged():
     assert all(d.gradient_leak == 0.0 for d in report.documents)
 
 
+@pytest.mark.parametrize("named_head", [False, True], ids=["logits", "hidden states"])
 @pytest.mark.parametrize("name", sorted(LEAKY))
-def test_leaky_mixer_is_flagged_and_named(name):
+def test_leaky_mixer_is_flagged_and_named(name, named_head):
     build, module = LEAKY[name]
-    report = check_isolation(_model(build(DIM)), max_tokens=120)
+    report = check_isolation(_model(build(DIM), named_head=named_head), max_tokens=120)
+    assert report.compared == ("hidden states entering the output head" if named_head else "logits")
     assert not report.ok, f"{name} was not flagged:\n{report}"
     assert report.max_leak > report.atol
     assert report.first_leaking_module == module, str(report)
@@ -98,3 +109,31 @@ def test_layouts_cover_chunk_and_conv_edges():
     assert {1, 3, 4, 5, 7, 8, 9}.issubset(all_lengths)
     assert any(lay.num_pad_tokens for lay in layouts)
     assert any(max(lay.lengths) > 3 * 8 for lay in layouts)
+
+
+def test_the_output_head_is_skipped_only_during_the_check_and_as_strict():
+    """With a named head the logits are never computed: a head that raises is not called, and is back after."""
+    model = _model(clean_mixers(DIM), named_head=True)
+    calls = []
+    model.head.register_forward_hook(lambda module, args, output: calls.append(output.shape[-1]))
+    report = check_isolation(model, lengths=[3, 5])
+    assert report.ok and report.compared == "hidden states entering the output head", str(report)
+    assert set(calls) == {DIM}  # the head returned the hidden states [.., DIM], never [.., vocab]
+    assert "forward" not in vars(model.head)
+    batch = PackedBoundaries.from_lengths([3]).batch_kwargs()
+    assert model(input_ids=torch.tensor([[1, 2, 3]]), **batch).logits.shape == (1, 3, model.config.vocab_size)
+
+
+def test_progress_bar_on_stderr_when_asked(capsys):
+    check_isolation(_model(clean_mixers(DIM)), lengths=[3, 5], progress=True)
+    assert "isolation check" in capsys.readouterr().err
+    check_isolation(_model(clean_mixers(DIM)), lengths=[3, 5], progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_check_prints_the_verdict_and_shows_progress(capsys):
+    from hybrid_pack.cli import main
+
+    assert main(["check", "bamba-tiny", "--lengths", "3,5", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("ISOLATED: bamba-tiny") and "isolation check" in captured.err

@@ -35,7 +35,7 @@ from hybrid_pack.integrations.transformers.families import FAMILIES, Family, Pac
 
 __all__ = ["patch_model", "is_patched", "packed_row", "FAMILIES", "TESTED_TRANSFORMERS"]
 
-TESTED_TRANSFORMERS = ((5, 20), (5, 24))  # [lower, upper) of the transformers versions tested
+TESTED_TRANSFORMERS = ((5, 20), (5, 25))  # [lower, upper) of the transformers versions tested
 _FAMILY_FLAG = "_hybrid_pack_family"
 _MIXER_FLAG = "_hybrid_pack_mixer"
 

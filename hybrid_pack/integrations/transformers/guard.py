@@ -18,10 +18,15 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from transformers import TrainerCallback
 
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.testing.guard import PackingGuard
+
+try:
+    import accelerate  # noqa: F401  (the Trainer needs it; transformers' own message would not name the extra)
+    from transformers import TrainerCallback
+except ImportError as err:
+    raise MissingExtraError("PackingGuardCallback", "hf", err) from err
 
 __all__ = ["PackingGuardCallback"]
 

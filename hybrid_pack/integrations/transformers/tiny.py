@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import InputError, MissingExtraError
 
 __all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model", "tiny_tokenizer", "pure_torch_transformers"]
 
@@ -154,11 +154,14 @@ def tiny_config(family: str) -> Any:
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny random causal LM of ``family`` (float32, CPU, eval mode), seeded for reproducibility."""
-    from transformers import AutoModelForCausalLM
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as err:
+        raise MissingExtraError("tiny_model", "hf", err) from err
 
     config = tiny_config(family)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
 
 

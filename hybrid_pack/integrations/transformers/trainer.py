@@ -20,13 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q
+
+try:
+    import accelerate  # noqa: F401  (the Trainer needs it; transformers would only say so once training starts)
+    from transformers import Trainer, TrainerCallback
+except ImportError as err:
+    raise MissingExtraError("PackedTrainer", "hf", err) from err
 
 __all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch"]
 

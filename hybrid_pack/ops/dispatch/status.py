@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
@@ -68,12 +69,13 @@ def default_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
 
 
 def verify(op: str | None = None, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-           requires_grad: bool = True) -> list[CheckResult]:
+           requires_grad: bool = True, progress: bool | None = None) -> list[CheckResult]:
     """Run the self-check now for every backend of ``op`` (or of every op) that can run on ``device``.
 
     Each backend is checked with the op's typical signature for each dtype (``dtype``, or bfloat16 and
     float32 on CUDA, float32 on CPU); a result replaces any kept one. The pure-torch backends are checked
     too (packed against alone and the cross-document gradient; their reference is themselves in float64).
+    ``progress``: a progress bar on stderr, one step per check (default: when stderr is a terminal).
 
     Returns:
         One :class:`CheckResult` per backend and dtype (``op``, ``backend``, ``ok``, ``reason``,
@@ -81,12 +83,13 @@ def verify(op: str | None = None, *, device: torch.device | str | None = None, d
     """
     device = default_device() if device is None else torch.device(device)
     dtypes = (dtype,) if dtype is not None else default_dtypes(device)
+    checks = [(backend, dt) for name in (registered_ops() if op is None else (op,)) for backend in backends_of(name)
+              for dt in dtypes if not backend.reason(device, dt, requires_grad)]
     out = []
-    for name in registered_ops() if op is None else (op,):
-        contract = contract_of(name)
-        for backend in backends_of(name):
-            for dt in dtypes:
-                if backend.reason(device, dt, requires_grad):
-                    continue
-                out.append(check_now(backend, contract.default_signature(dt, device.type), device, requires_grad))
+    with tqdm(checks, desc="self-checks", unit="check", leave=False,
+              disable=None if progress is None else not progress) as bar:
+        for backend, dt in bar:
+            bar.set_postfix_str(f"{backend.op} {backend.name} {str(dt).removeprefix('torch.')}")
+            signature = contract_of(backend.op).default_signature(dt, device.type)
+            out.append(check_now(backend, signature, device, requires_grad))
     return out

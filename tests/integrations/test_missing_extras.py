@@ -1,0 +1,35 @@
+"""A part used without its optional dependency raises an ImportError naming the extra to install."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.parametrize(("missing", "statement", "extra"), [
+    ("accelerate", "from hybrid_pack.integrations.transformers.trainer import PackedTrainer", "hf"),
+    ("transformers", "from hybrid_pack.integrations.transformers.guard import PackingGuardCallback", "hf"),
+    ("transformers", "from hybrid_pack.integrations.transformers.tiny import tiny_model; tiny_model('bamba')", "hf"),
+    ("trl", "from hybrid_pack.integrations.trl import PackedSFTTrainer", "trl"),
+    ("datasets", "from hybrid_pack.packing.hf_datasets import tokenize_and_plan; tokenize_and_plan(None, None, 8)",
+     "hf"),
+])
+def test_missing_dependency_names_the_extra(missing: str, statement: str, extra: str):
+    program = f"""
+import sys
+sys.modules[{missing!r}] = None  # as if it were not installed: importing it raises ImportError
+from hybrid_pack.errors import MissingExtraError
+try:
+    {statement}
+except MissingExtraError as err:
+    assert isinstance(err, ImportError)
+    print(err)
+else:
+    raise SystemExit("no error")
+"""
+    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"pip install 'hybrid_pack[{extra}]'" in result.stdout and missing in result.stdout
