@@ -69,9 +69,20 @@ class ShardedBoundaries(PackedBoundaries):
         return int(np.searchsorted(np.cumsum(self.row.segment_lengths), self.offset, side="right"))
 
     @property
+    def first_positions(self) -> np.ndarray:
+        """int64 ``[world_size]``: for every rank of the group, the tokens of its first segment's document held
+        by earlier ranks (0 where a segment starts on the rank's edge). Host-side, the same on every rank."""
+        def build() -> np.ndarray:
+            offsets = np.arange(self.world_size, dtype=np.int64) * self.total_tokens
+            starts = np.asarray(self.row.starts, dtype=np.int64)
+            return offsets - starts[np.searchsorted(starts, offsets, side="right") - 1]
+
+        return self.view("first_positions", build)
+
+    @property
     def first_position(self) -> int:
         """Tokens of the first local segment's document held by earlier ranks (0 when it starts here)."""
-        return self.offset - int(self.row.starts[self.first_segment])
+        return int(self.first_positions[self.rank])
 
     @property
     def continues_from_previous(self) -> bool:
@@ -81,8 +92,7 @@ class ShardedBoundaries(PackedBoundaries):
     @property
     def continues_into_next(self) -> bool:
         """Whether the last local segment goes on into the next rank."""
-        end = self.offset + self.total_tokens
-        return end < self.row.total_tokens and end not in set(self.row.starts)
+        return self.rank + 1 < self.world_size and bool(self.first_positions[self.rank + 1])
 
     @property
     def document_positions(self) -> torch.Tensor:

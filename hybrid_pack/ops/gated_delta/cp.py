@@ -24,7 +24,6 @@ import torch
 from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves, gated_delta_rule_fla_cp
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
-    check_group,
     fold,
     gather_summaries,
     segment_initial_states,
@@ -62,7 +61,7 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
         ``(o [1, T_local, HV, V], final states or None)``, as the op on the whole row restricted to this
         rank (float64 inputs: equal to 1e-10).
     """
-    check_group(boundaries)
+    boundaries.check_group()
     if fla_cp_serves(backend, functools.partial(op, backend="torch"), q, k, v, g, beta, boundaries,
                      initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm):
         return gated_delta_rule_fla_cp(q, k, v, g, beta, boundaries, scale=scale, use_qk_l2norm=use_qk_l2norm)
