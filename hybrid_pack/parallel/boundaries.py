@@ -142,13 +142,14 @@ class ShardedBoundaries(PackedBoundaries):
             max_seqlen=self.max_seqlen, segment_lengths=self.segment_lengths, num_pad_tokens=self.num_pad_tokens))
 
     def to(self, device: torch.device | str) -> ShardedBoundaries:
-        """A copy with every tensor on ``device``."""
+        """A copy with the local tensors on ``device``; ``row`` stays where it is (only its host-side lengths
+        are read, so the whole row's per-token tensors are not copied to every rank's device)."""
         base = self.local().to(device)
         return ShardedBoundaries(
             cu_seqlens=base.cu_seqlens, seq_idx=base.seq_idx, position_ids=base.position_ids,
             max_seqlen=base.max_seqlen, segment_lengths=base.segment_lengths, num_pad_tokens=base.num_pad_tokens,
             group=self.group, rank=self.rank, world_size=self.world_size, offset=self.offset,
-            row=self.row.to(device), layout=self.layout)
+            row=self.row, layout=self.layout)
 
     def __repr__(self) -> str:
         return (f"ShardedBoundaries(rank={self.rank}/{self.world_size}, offset={self.offset}, "
