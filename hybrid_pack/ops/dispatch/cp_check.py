@@ -150,7 +150,10 @@ def cp_backend_serves(op: str, name: str, backend: str | None, refusal: Callable
     Never when another ``backend`` is forced; when ``backend`` is ``name`` (forced) or None, it serves if
     ``refusal()`` gives no reason and, unless ``HYBRID_PACK_VERIFY=0``, it passed :func:`cp_verdict`. A forced
     backend that cannot serve raises ``RuntimeError`` with the reason. The answer is the same on every rank as
-    long as ``refusal`` reads only what every rank shares (device type, dtypes, sizes, the group).
+    long as ``refusal`` reads only what every rank shares (device type, dtypes, sizes, the group) and the ranks
+    share one environment (installed packages, GPU model, ``HYBRID_PACK_VERIFY``): a rank that refused while
+    the others run the check would leave them waiting in it, so a group of mixed GPUs or environments is not
+    supported.
     """
     if backend not in (None, name):
         return False
