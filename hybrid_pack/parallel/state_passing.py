@@ -91,7 +91,7 @@ def segments_as_documents(boundaries: ShardedBoundaries) -> PackedBoundaries:
         max_seqlen=boundaries.max_seqlen, segment_lengths=boundaries.segment_lengths, num_pad_tokens=0))
 
 
-def segment_initial_states(initial_states: torch.Tensor | None, boundaries: ShardedBoundaries, continues: bool,
+def segment_initial_states(initial_states: torch.Tensor | None, boundaries: ShardedBoundaries,
                            dtype: torch.dtype, *, padding: bool = True) -> torch.Tensor | None:
     """The local segments' starting states from the local documents' ``[N_local, ...]``: the user's for
     documents starting here, zero for a document continuing from the previous rank (its initial state
@@ -102,7 +102,7 @@ def segment_initial_states(initial_states: torch.Tensor | None, boundaries: Shar
     states = initial_states.to(dtype)
     if padding:
         states = torch.cat([states, states.new_zeros(boundaries.num_segments - boundaries.num_docs, *states.shape[1:])])
-    if continues and states.shape[0]:
+    if boundaries.continues_from_previous and states.shape[0]:
         states = torch.cat([states.new_zeros(1, *states.shape[1:]), states[1:]])
     return states
 

@@ -73,9 +73,9 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
 
     num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
     state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-    continues = bool(chain.sources)
+    continues = boundaries.continues_from_previous
     segments = segments_as_documents(boundaries)
-    starts = segment_initial_states(initial_state, boundaries, continues, state_dtype)
+    starts = segment_initial_states(initial_state, boundaries, state_dtype)
     if continues:
         # Widen the values by K zero columns whose state starts as the identity in the first segment.
         v = torch.cat([v, v.new_zeros(*v.shape[:3], k_dim)], dim=-1)

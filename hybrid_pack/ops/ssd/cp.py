@@ -62,8 +62,8 @@ def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
 
     heads, head_dim, groups, state_dim = x.shape[2], x.shape[3], B.shape[2], B.shape[3]
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    continues = bool(chain.sources)
-    starts = segment_initial_states(initial_states, boundaries, continues, cdtype, padding=False)
+    continues = boundaries.continues_from_previous
+    starts = segment_initial_states(initial_states, boundaries, cdtype, padding=False)
     result = op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=starts,
                 return_final_states=return_final_states)
     y, finals = result if return_final_states else (result, None)
