@@ -91,6 +91,13 @@ def test_rank_edges_are_read_from_the_row(world):
         assert shard.continues_into_next == (hi < row.total_tokens and hi not in starts)
 
 
+def test_moving_a_shard_moves_its_local_tensors_and_leaves_the_row_on_the_host():
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2).to("meta")
+    assert shard.cu_seqlens.device.type == "meta" and shard.row is row
+    assert (shard.rank, shard.offset, shard.first_position, shard.segment_lengths) == (1, 8, 3, (4, 4))
+
+
 def test_one_process_shard_is_the_row_and_its_loss_is_the_row_loss():
     collator = PackingCollator(pack_length=20)
     batch = collator([{"input_ids": list(range(3, 3 + n))} for n in (4, 1, 9)])
