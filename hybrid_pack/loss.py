@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import IGNORE_INDEX
@@ -44,24 +45,6 @@ def _check_shapes(logits: torch.Tensor, labels: torch.Tensor, boundaries: Packed
         if boundaries.total_tokens != logits.shape[1]:
             raise InputError(f"boundaries: expected {logits.shape[1]} tokens (the logits' T); "
                              f"got {boundaries.total_tokens}")
-
-
-def shift_labels(labels: torch.Tensor, boundaries: PackedBoundaries | None = None) -> torch.Tensor:
-    """The target of every position: ``labels[:, t + 1]`` at ``t``, ``-100`` at the row's last position.
-
-    Args:
-        labels: int ``[B, T]``, unshifted.
-        boundaries: the row's boundaries; when given, a document's last token gets ``-100`` too (the next
-            document's first token is not its target).
-
-    Returns:
-        int ``[B, T]`` aligned with the logits: what ``logits[:, t]`` is scored against.
-    """
-    targets = labels
-    if boundaries is not None and boundaries.num_segments > 1:
-        starts = boundaries.cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long)
-        targets = targets.index_fill(-1, starts, IGNORE_INDEX)
-    return F.pad(targets[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: PackedBoundaries | None = None,

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from hybrid_pack.distributed import distributed
 from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
+from hybrid_pack.ops.dispatch.cp_check import cp_backends
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import select, verdict_for, verification_enabled
 from hybrid_pack.ops.dispatch.status import default_device
@@ -35,7 +36,8 @@ def _status(op: str, name: str, chosen: str, device: torch.device, dtype: torch.
 
 
 def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:
-    """Per op: the backend chosen for a typical call with backward, and every alternative with why not.
+    """Per op: the backend chosen for a typical call with backward, and every alternative with why not; then
+    the context-parallel backends (for a row split across ranks) with whether they may serve here.
 
     Choosing checks the kernels it would pick (cached on disk per environment); lower-priority ones are
     left unchecked (``hybrid-pack backends --verify`` checks them all). Under ``torch.distributed`` it shows the
@@ -60,4 +62,12 @@ def _report(device: torch.device, dtype: torch.dtype) -> str:
                          f"{_status(op, backend.name, chosen, device, dtype)}")
         typical = signature_text(contract_of(op).default_signature(dtype, device.type))
         lines.append(f"{'':<12} (typical call: {typical})")
+    lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",
+              header, "-" * len(header)]
+    for backend in cp_backends():
+        why = backend.device_reason(device)
+        status = f"no: {why}" if why else (
+            "ok: serves sharded calls after its collective self-check on the group" if verification_enabled()
+            else "ok: serves sharded calls (unchecked: HYBRID_PACK_VERIFY=0)")
+        lines.append(f"{backend.op:<12} {backend.name:<14} {'ShardedBoundaries':<22} {status}")
     return "\n".join(lines)

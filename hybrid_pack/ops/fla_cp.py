@@ -12,23 +12,36 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
-__all__ = ["FLA_CP", "fla_cp_environment_reason", "fla_cp_context"]
+__all__ = ["FLA_CP", "fla_cp_device_reason", "fla_cp_group_reason", "fla_cp_context"]
 
 FLA_CP = "fla_cp"
 """The backend name of fla's context parallelism, for every op that has it (``backend="fla_cp"`` forces it)."""
 
 
-def fla_cp_environment_reason(device: torch.device, boundaries: ShardedBoundaries) -> str:
-    """Why fla's context parallelism cannot run for this device and group ("" when it can)."""
+def fla_cp_device_reason(device: torch.device) -> str:
+    """Why fla's context parallelism cannot run on ``device`` in this process ("" when it may): the device, NCCL,
+    the installation, and the default process group's backend when one is initialised. Starts no collective."""
     if device.type != "cuda":
-        return f"fla's context parallelism runs on CUDA over NCCL only; the inputs are on {device.type}"
+        return f"fla's context parallelism runs on CUDA over NCCL only, not on {device.type}"
+    if not dist.is_nccl_available():
+        return "fla's context parallelism runs on CUDA over NCCL only; this torch has no NCCL"
     if importlib.util.find_spec("fla") is None or importlib.util.find_spec("fla.ops.cp") is None:
         return "flash-linear-attention with fla.ops.cp is not installed (pip install flash-linear-attention)"
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        return f"fla's context parallelism needs an NCCL process group; the default one is {dist.get_backend()}"
+    return ""
+
+
+def fla_cp_group_reason(boundaries: ShardedBoundaries) -> str:
+    """Why fla's context parallelism cannot run over the group and layout of ``boundaries`` ("" when it can)."""
+    if not dist.is_initialized():
+        return "fla's context parallelism needs an initialised NCCL process group (torch.distributed is not)"
     process_backend = dist.get_backend(boundaries.group)
     if process_backend != "nccl":
         return f"fla's context parallelism needs an NCCL process group; this one is {process_backend}"
@@ -38,12 +51,14 @@ def fla_cp_environment_reason(device: torch.device, boundaries: ShardedBoundarie
 
 
 def fla_cp_context(boundaries: ShardedBoundaries, device: torch.device, conv_width: int | None = None) -> Any:
-    """fla's ``FLACPContext`` for this rank (built once per boundaries object, device and conv width)."""
+    """fla's ``FLACPContext`` for this rank (built once per boundaries object, device and conv width; from the
+    row's host-side lengths, so without a device-to-host copy)."""
     from fla.ops.cp import build_cp_context
 
     def build() -> Any:
-        cu_seqlens_cpu = boundaries.row.cu_seqlens.cpu()
-        return build_cp_context(cu_seqlens_cpu.to(device), group=boundaries.group or dist.group.WORLD,
+        row = boundaries.row
+        cu_seqlens_cpu = torch.from_numpy(np.concatenate([[0], np.cumsum(row.segment_lengths, dtype=np.int64)]))
+        return build_cp_context(row.cu_seqlens.to(device), group=boundaries.group or dist.group.WORLD,
                                 conv1d_kernel_size=conv_width, cu_seqlens_cpu=cu_seqlens_cpu)
 
     return boundaries.view(("fla_cp_context", str(device), conv_width), build)

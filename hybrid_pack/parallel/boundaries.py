@@ -69,9 +69,20 @@ class ShardedBoundaries(PackedBoundaries):
         return int(np.searchsorted(np.cumsum(self.row.segment_lengths), self.offset, side="right"))
 
     @property
+    def first_positions(self) -> np.ndarray:
+        """int64 ``[world_size]``: for every rank of the group, the tokens of its first segment's document held
+        by earlier ranks (0 where a segment starts on the rank's edge). Host-side, the same on every rank."""
+        def build() -> np.ndarray:
+            offsets = np.arange(self.world_size, dtype=np.int64) * self.total_tokens
+            starts = np.asarray(self.row.starts, dtype=np.int64)
+            return offsets - starts[np.searchsorted(starts, offsets, side="right") - 1]
+
+        return self.view("first_positions", build)
+
+    @property
     def first_position(self) -> int:
         """Tokens of the first local segment's document held by earlier ranks (0 when it starts here)."""
-        return self.offset - int(self.row.starts[self.first_segment])
+        return int(self.first_positions[self.rank])
 
     @property
     def continues_from_previous(self) -> bool:
@@ -81,8 +92,7 @@ class ShardedBoundaries(PackedBoundaries):
     @property
     def continues_into_next(self) -> bool:
         """Whether the last local segment goes on into the next rank."""
-        end = self.offset + self.total_tokens
-        return end < self.row.total_tokens and end not in set(self.row.starts)
+        return self.rank + 1 < self.world_size and bool(self.first_positions[self.rank + 1])
 
     @property
     def document_positions(self) -> torch.Tensor:
@@ -132,13 +142,14 @@ class ShardedBoundaries(PackedBoundaries):
             max_seqlen=self.max_seqlen, segment_lengths=self.segment_lengths, num_pad_tokens=self.num_pad_tokens))
 
     def to(self, device: torch.device | str) -> ShardedBoundaries:
-        """A copy with every tensor on ``device``."""
+        """A copy with the local tensors on ``device``; ``row`` stays where it is (only its host-side lengths
+        are read, so the whole row's per-token tensors are not copied to every rank's device)."""
         base = self.local().to(device)
         return ShardedBoundaries(
             cu_seqlens=base.cu_seqlens, seq_idx=base.seq_idx, position_ids=base.position_ids,
             max_seqlen=base.max_seqlen, segment_lengths=base.segment_lengths, num_pad_tokens=base.num_pad_tokens,
             group=self.group, rank=self.rank, world_size=self.world_size, offset=self.offset,
-            row=self.row.to(device), layout=self.layout)
+            row=self.row, layout=self.layout)
 
     def __repr__(self) -> str:
         return (f"ShardedBoundaries(rank={self.rank}/{self.world_size}, offset={self.offset}, "

@@ -41,15 +41,6 @@ class HaloPlan:
         return sum(count for _, count in self.receives)
 
 
-def _first_positions(boundaries: ShardedBoundaries) -> np.ndarray:
-    """For every rank of the group, the tokens of its first document held by earlier ranks."""
-    row, per_rank = boundaries.row, boundaries.total_tokens
-    offsets = np.arange(boundaries.world_size, dtype=np.int64) * per_rank
-    ends = np.cumsum(row.segment_lengths)
-    first = np.searchsorted(ends, offsets, side="right")
-    return offsets - np.asarray(row.starts, dtype=np.int64)[first]
-
-
 def halo_plan(boundaries: ShardedBoundaries, limit: int | None) -> HaloPlan:
     """Plan the exchange where every rank receives the last ``min(limit, first_position)`` row tokens before it.
 
@@ -58,7 +49,7 @@ def halo_plan(boundaries: ShardedBoundaries, limit: int | None) -> HaloPlan:
 
     def build() -> HaloPlan:
         per_rank, me = boundaries.total_tokens, boundaries.rank
-        needs = _first_positions(boundaries)
+        needs = boundaries.first_positions
         if limit is not None:
             needs = np.minimum(needs, limit)
         sends, receives = [], []

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
-from hybrid_pack.loss import shift_labels
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     BOUNDARIES,

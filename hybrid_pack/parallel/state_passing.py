@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.errors import InputError
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["StateChain", "state_chain", "segments_as_documents", "segment_initial_states",
-           "check_group", "gather_summaries", "fold", "tie"]
+           "gather_summaries", "fold", "tie"]
 
 
 @dataclass(frozen=True)
@@ -59,31 +58,27 @@ class StateChain:
     sources: tuple[int, ...]
 
 
-def _rank_edges(row: PackedBoundaries, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank: whether its first token continues a segment, and whether it holds a single segment."""
-    per_rank = row.total_tokens // world_size
-    starts = np.asarray(row.starts, dtype=np.int64)
-    offsets = np.arange(world_size, dtype=np.int64) * per_rank
-    continues = ~np.isin(offsets, starts)
-    # A rank holds one segment when no segment starts strictly inside it.
-    starts_inside = np.searchsorted(starts, offsets + per_rank, side="left") - np.searchsorted(starts, offsets,
-                                                                                              side="right")
-    return continues, starts_inside == 0
+def _ranks_passing_through(boundaries: ShardedBoundaries) -> np.ndarray:
+    """bool ``[world_size]``: the ranks holding only the middle of one document (their only segment began on
+    an earlier rank), through which an incoming state passes on by their map."""
+    per_rank, continues = boundaries.total_tokens, boundaries.first_positions > 0
+    starts = np.asarray(boundaries.row.starts, dtype=np.int64)
+    offsets = np.arange(boundaries.world_size, dtype=np.int64) * per_rank
+    starts_inside = np.searchsorted(starts, offsets + per_rank) - np.searchsorted(starts, offsets, side="right")
+    return continues & (starts_inside == 0)
 
 
 def state_chain(boundaries: ShardedBoundaries) -> StateChain:
     """This rank's :class:`StateChain` (host-side, cached on ``boundaries``)."""
     def build() -> StateChain:
-        continues, single = _rank_edges(boundaries.row, boundaries.world_size)
-        passes = continues & single
-        rank = boundaries.rank
+        passes, rank = _ranks_passing_through(boundaries), boundaries.rank
         sources: list[int] = []
-        if continues[rank]:
+        if boundaries.continues_from_previous:
             j = rank - 1
             while passes[j]:
                 j -= 1
             sources = list(range(j, rank))
-        return StateChain(exchanges=bool(continues.any()), sources=tuple(sources))
+        return StateChain(exchanges=bool(boundaries.first_positions.any()), sources=tuple(sources))
 
     return boundaries.view("state_chain", build)
 
@@ -96,7 +91,7 @@ def segments_as_documents(boundaries: ShardedBoundaries) -> PackedBoundaries:
         max_seqlen=boundaries.max_seqlen, segment_lengths=boundaries.segment_lengths, num_pad_tokens=0))
 
 
-def segment_initial_states(initial_states: torch.Tensor | None, boundaries: ShardedBoundaries, continues: bool,
+def segment_initial_states(initial_states: torch.Tensor | None, boundaries: ShardedBoundaries,
                            dtype: torch.dtype, *, padding: bool = True) -> torch.Tensor | None:
     """The local segments' starting states from the local documents' ``[N_local, ...]``: the user's for
     documents starting here, zero for a document continuing from the previous rank (its initial state
@@ -107,22 +102,9 @@ def segment_initial_states(initial_states: torch.Tensor | None, boundaries: Shar
     states = initial_states.to(dtype)
     if padding:
         states = torch.cat([states, states.new_zeros(boundaries.num_segments - boundaries.num_docs, *states.shape[1:])])
-    if continues and states.shape[0]:
+    if boundaries.continues_from_previous and states.shape[0]:
         states = torch.cat([states.new_zeros(1, *states.shape[1:]), states[1:]])
     return states
-
-
-def check_group(boundaries: ShardedBoundaries) -> None:
-    """``InputError`` unless ``boundaries`` belong to an initialised group of their ``world_size`` where
-    this process is their ``rank``."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise InputError("boundaries: a ShardedBoundaries needs torch.distributed initialised (run under torchrun "
-                         "and call torch.distributed.init_process_group), or pass the row's PackedBoundaries")
-    size, rank = dist.get_world_size(boundaries.group), dist.get_rank(boundaries.group)
-    if (size, rank) != (boundaries.world_size, boundaries.rank):
-        raise InputError(f"boundaries: made for rank {boundaries.rank} of a group of {boundaries.world_size}, but "
-                         f"this process is rank {rank} of a group of {size}; build them with shard_batch(batch, "
-                         f"group) for the group the model runs in")
 
 
 class _AllGather(torch.autograd.Function):

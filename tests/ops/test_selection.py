@@ -208,3 +208,11 @@ def test_select_and_report_on_cpu(torch_only: None) -> None:
     assert lines[0].startswith("hybrid_pack backends on cpu, float32")
     chosen = [line.split() for line in lines if "CHOSEN" in line]
     assert chosen[0][:2] == ["attention", "torch"] and chosen[1][:2] == ["conv", "torch"]
+
+
+def test_report_lists_the_context_parallel_backends_with_why_not_here() -> None:
+    """fla's context parallelism (conv, gated delta) is listed with its reason, read without any collective."""
+    section = report("cpu").split("\ncontext parallelism")[1].splitlines()
+    rows = {tuple(line.split()[:3]): line for line in section if "fla_cp" in line}
+    assert set(rows) == {("conv", "fla_cp", "ShardedBoundaries"), ("gated_delta", "fla_cp", "ShardedBoundaries")}
+    assert all("no: fla's context parallelism runs on CUDA over NCCL only, not on cpu" in r for r in rows.values())

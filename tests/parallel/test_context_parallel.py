@@ -78,6 +78,26 @@ def test_halo_plans_agree_between_senders_and_receivers(world, limit):
     assert sends == sum(len(plan.receives) for plan in plans)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rank_edges_are_read_from_the_row(world):
+    """Every rank's view of its edges (what the exchanges are planned from) against a count on the row."""
+    row = PackedBoundaries.from_document_lengths([1, 2, 6 * world - 10, 1, 1, 3], num_pad_tokens=2)
+    starts, per_rank = set(row.starts), row.total_tokens // world
+    for rank in range(world):
+        shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world)
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        assert shard.first_position == lo - max(s for s in starts if s <= lo)
+        assert shard.continues_from_previous == (lo not in starts)
+        assert shard.continues_into_next == (hi < row.total_tokens and hi not in starts)
+
+
+def test_moving_a_shard_moves_its_local_tensors_and_leaves_the_row_on_the_host():
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2).to("meta")
+    assert shard.cu_seqlens.device.type == "meta" and shard.row is row
+    assert (shard.rank, shard.offset, shard.first_position, shard.segment_lengths) == (1, 8, 3, (4, 4))
+
+
 def test_one_process_shard_is_the_row_and_its_loss_is_the_row_loss():
     collator = PackingCollator(pack_length=20)
     batch = collator([{"input_ids": list(range(3, 3 + n))} for n in (4, 1, 9)])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops import gated_delta_rule
+from hybrid_pack.ops import causal_conv1d, gated_delta_rule
 from hybrid_pack.ops.conv.kernel_fla_cp import fla_cp_serves as conv_fla_cp_serves
 from hybrid_pack.ops.fla_cp import FLA_CP
 from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves as gated_delta_fla_cp_serves
@@ -91,6 +91,25 @@ def test_fla_context_parallelism_is_refused_on_cpu_with_the_reason(op):
     assert serves(None) is False and serves("torch") is False
     with pytest.raises(RuntimeError, match=f"backend 'fla_cp' for {op} cannot run here: .*CUDA over NCCL only"):
         serves(FLA_CP)
+
+
+@pytest.mark.parametrize("op", ["gated_delta", "conv"])
+def test_sharded_op_forced_to_fla_cp_on_cpu_raises_the_reason_and_otherwise_runs_the_torch_path(op):
+    """The public op on a shard tries fla's context parallelism first (one process, a group of one)."""
+    row = LAYOUTS["spans_four_ranks"].boundaries()
+    sharded = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=1)
+    x = torch.randn(1, row.total_tokens, 2, 4, dtype=torch.float64)
+    if op == "gated_delta":
+        def run(boundaries, backend=None):
+            return gated_delta_rule(x, x, x, -x[..., 0].abs(), x[..., 0].sigmoid(), boundaries, backend=backend)[0]
+    else:
+        weight = torch.randn(2, 4, dtype=torch.float64)
+
+        def run(boundaries, backend=None):
+            return causal_conv1d(x[..., 0], weight, None, boundaries, activation="silu", backend=backend)
+    with pytest.raises(RuntimeError, match=f"backend 'fla_cp' for {op} cannot run here: .*CUDA over NCCL only"):
+        run(sharded, FLA_CP)
+    torch.testing.assert_close(run(sharded), run(row), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(("layout", "world_size", "expected"), [

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node R tests/workers/cp_fla.py OUT
 
-The gated delta rule forced to ``backend="fla_cp"`` (its collective self-check runs first) and fla's
-context-parallel conv, each rank's slice against the unsharded pure-torch op on the same row, float32,
+The gated delta rule and the causal conv forced to ``backend="fla_cp"`` (the collective self-check runs
+first), each rank's slice against the unsharded pure-torch op on the same row, float32,
 on the layouts of tests/workers/cp_recurrent.py. Writes ``OUT.rank{r}.json`` as that worker does.
 """
 
@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.distributed import end_process_group, exit_without_finalizing
-from hybrid_pack.ops import gated_delta_rule
-from hybrid_pack.ops.conv.kernel_fla_cp import causal_conv1d_fla_cp
+from hybrid_pack.ops import causal_conv1d, gated_delta_rule
 from hybrid_pack.ops.fla_cp import FLA_CP
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import conv_signature, gated_delta_signature
@@ -29,7 +28,8 @@ CASES = {
     "gated_delta": (gated_delta_signature(heads=2, v_heads=4, k_dim=64, v_dim=64, use_qk_l2norm=True,
                                           output_final_state=False, dtype=torch.float32),
                     functools.partial(gated_delta_rule, backend=FLA_CP)),
-    "conv": (conv_signature(channels=64, width=4, activation="silu", dtype=torch.float32), causal_conv1d_fla_cp),
+    "conv": (conv_signature(channels=64, width=4, activation="silu", dtype=torch.float32),
+             functools.partial(causal_conv1d, backend=FLA_CP)),
 }
 
 

@@ -11,30 +11,31 @@ per rank: ``2 * first_position * Hkv * D`` elements, the continuing document's e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.exchange import with_preceding_tokens
 
-LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedBoundaries], torch.Tensor]
+__all__ = ["varlen_attention_cp"]
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: ShardedBoundaries, *,
-                     causal: bool, softmax_scale: float, local: LocalAttention) -> torch.Tensor:
-    """This rank's slice of the attention over the whole row.
+def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        boundaries: ShardedBoundaries, *, causal: bool, softmax_scale: float,
+                        backend: str | None) -> torch.Tensor:
+    """This rank's slice of :func:`hybrid_pack.ops.varlen_attention` over the whole row.
 
     Args:
+        op: the public single-device op (called with plain boundaries and ``backend``).
         q: ``[1, T_local, H, D]``; k, v: ``[1, T_local, Hkv, D]`` (the same dtype).
         boundaries: this rank's :class:`ShardedBoundaries` (a collective over its group).
         causal: must be True (a bidirectional document would also need its later ranks' keys).
         softmax_scale: multiplies ``q @ k^T``.
-        local: the single-device op, called as ``local(q, k, v, boundaries)``.
 
     Returns:
         ``[1, T_local, H, D]``.
@@ -42,6 +43,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
     if not causal:
         raise InputError("causal: context-parallel attention is causal only (a bidirectional document split "
                          "across ranks would need keys from later ranks); run causal=False unsharded")
+    boundaries.check_group()
+    local = functools.partial(op, causal=True, softmax_scale=softmax_scale, backend=backend)
     keys_values, halo = with_preceding_tokens(torch.stack([k[0], v[0]], dim=1), boundaries)
     if not halo:
         return local(q, keys_values[None, :, 0], keys_values[None, :, 1], boundaries.local())

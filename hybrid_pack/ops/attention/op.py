@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.attention import cp
 from hybrid_pack.ops.attention.check import OP, signature_of
+from hybrid_pack.ops.attention.cp import varlen_attention_cp
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
@@ -42,9 +40,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
         raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(boundaries, ShardedBoundaries):
-        boundaries.check_group()
-        return cp.varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=scale, local=functools.partial(
-            varlen_attention, causal=causal, softmax_scale=scale, backend=backend))
+        return varlen_attention_cp(varlen_attention, q, k, v, boundaries, causal=causal, softmax_scale=scale,
+                                   backend=backend)
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype, requires_grad=needs_grad(q, k, v),
                    inputs={"q": q, "k": k, "v": v, "causal": causal}, signature=signature_of(q, k, v, causal))
     return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)

@@ -10,29 +10,40 @@ halo's gradient goes back to the ranks that sent it. Bytes received per rank: at
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.ops.conv.kernel_fla_cp import causal_conv1d_fla_cp, fla_cp_serves
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.exchange import with_preceding_tokens
 
-LocalConv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, PackedBoundaries], torch.Tensor]
+__all__ = ["causal_conv1d_cp"]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, boundaries: ShardedBoundaries,
-                  *, local: LocalConv) -> torch.Tensor:
-    """This rank's slice of the conv over the whole row.
+def causal_conv1d_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None, boundaries: ShardedBoundaries, *, activation: str | None,
+                     backend: str | None) -> torch.Tensor:
+    """This rank's slice of :func:`hybrid_pack.ops.causal_conv1d` over the whole row.
+
+    flash-linear-attention's own context-parallel conv (:mod:`.kernel_fla_cp`) serves when ``backend`` is
+    None or ``"fla_cp"`` and it can take the call and passed its collective self-check; otherwise the
+    pure-torch halo exchange below runs around the single-device op with ``backend``.
 
     Args:
+        op: the public single-device op (called with plain boundaries and ``backend``).
         x: ``[1, T_local, D]``, this rank's tokens.
         weight, bias: as in :func:`hybrid_pack.ops.causal_conv1d` (``weight`` ``[D, W]``).
         boundaries: this rank's :class:`ShardedBoundaries` (a collective over its group).
-        local: the single-device op (the selected backend), called as ``local(x, weight, bias, boundaries)``.
 
     Returns:
         ``[1, T_local, D]``.
     """
+    boundaries.check_group()
+    if fla_cp_serves(backend, functools.partial(op, backend="torch"), x, weight, bias, boundaries,
+                     activation=activation):
+        return causal_conv1d_fla_cp(x, weight, bias, boundaries, activation=activation)
     extended, halo = with_preceding_tokens(x[0], boundaries, limit=weight.shape[1] - 1)
-    return local(extended.unsqueeze(0), weight, bias, boundaries.extended(halo))[:, halo:]
+    out = op(extended.unsqueeze(0), weight, bias, boundaries.extended(halo), activation=activation, backend=backend)
+    return out[:, halo:]

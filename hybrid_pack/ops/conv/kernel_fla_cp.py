@@ -9,11 +9,7 @@ limits, each refused with the reason by :func:`fla_cp_refusal`: CUDA over NCCL o
 
 It serves a call only after the collective self-check (:mod:`hybrid_pack.ops.dispatch.cp_check`) passed
 for the call's key on the whole group. Hooked into the pure-torch context-parallel conv (``.cp``) as its
-first choice::
-
-    if fla_cp_serves(backend, functools.partial(op, backend="torch"), x, weight, bias, boundaries,
-                     activation=activation):
-        return causal_conv1d_fla_cp(x, weight, bias, boundaries, activation=activation)
+first choice.
 """
 
 from __future__ import annotations
@@ -24,16 +20,18 @@ from typing import Any
 import torch
 
 from hybrid_pack.ops.conv.check import OP, signature_of
-from hybrid_pack.ops.dispatch.cp_check import cp_backend_serves
-from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_environment_reason
+from hybrid_pack.ops.dispatch.cp_check import cp_backend_serves, register_cp_backend
+from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_device_reason, fla_cp_group_reason
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["fla_cp_refusal", "causal_conv1d_fla_cp", "fla_cp_serves"]
 
+register_cp_backend(OP, FLA_CP, fla_cp_device_reason)
+
 
 def fla_cp_refusal(x: torch.Tensor, boundaries: ShardedBoundaries) -> str:
     """Why fla's context-parallel conv cannot take this call ("" when it can, pending the self-check)."""
-    reason = fla_cp_environment_reason(x.device, boundaries)
+    reason = fla_cp_device_reason(x.device) or fla_cp_group_reason(boundaries)
     if reason:
         return reason
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):

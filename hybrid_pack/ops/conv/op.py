@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.conv import cp
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
+from hybrid_pack.ops.conv.cp import causal_conv1d_cp
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
@@ -40,9 +38,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
     activation = "silu" if activation == "swish" else activation
     if isinstance(boundaries, ShardedBoundaries):
-        boundaries.check_group()
-        return cp.causal_conv1d(x, weight, bias, boundaries, local=functools.partial(
-            causal_conv1d, activation=activation, backend=backend))
+        return causal_conv1d_cp(causal_conv1d, x, weight, bias, boundaries, activation=activation, backend=backend)
     impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=needs_grad(x, weight, bias),
                    inputs={"x": x, "weight": weight, "bias": bias, "activation": activation},
                    signature=signature_of(x, weight, bias, activation))

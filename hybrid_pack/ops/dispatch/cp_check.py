@@ -18,6 +18,7 @@ waiting in that exchange: no check can recover from that; the process group's ti
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +31,38 @@ from hybrid_pack.ops.dispatch.selector import verification_enabled
 from hybrid_pack.ops.dispatch.selfcheck import TOLERANCE, relative_error
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
-__all__ = ["adversarial_cp_row", "cp_verdict", "cp_backend_serves"]
+__all__ = ["CPBackend", "register_cp_backend", "cp_backends", "adversarial_cp_row", "cp_verdict", "cp_backend_serves"]
 
 TOKENS_PER_RANK = 128
 _VERDICTS: dict[tuple[Any, ...], str] = {}
+
+
+@dataclass(frozen=True)
+class CPBackend:
+    """A context-parallel backend of an op, as the backends report lists it.
+
+    Attributes:
+        op, name: the op and the backend's name (``backend=name`` forces it on a sharded call).
+        device_reason: why it cannot run on a device in this process ("" when it may, pending its collective
+            self-check on the group); reads no tensor and starts no collective.
+    """
+
+    op: str
+    name: str
+    device_reason: Callable[[torch.device], str]
+
+
+_CP_BACKENDS: dict[tuple[str, str], CPBackend] = {}
+
+
+def register_cp_backend(op: str, name: str, device_reason: Callable[[torch.device], str]) -> None:
+    """Declare the context-parallel backend ``name`` of ``op`` (done once, where its adapter is defined)."""
+    _CP_BACKENDS[op, name] = CPBackend(op, name, device_reason)
+
+
+def cp_backends() -> tuple[CPBackend, ...]:
+    """Every declared context-parallel backend, in declaration order."""
+    return tuple(_CP_BACKENDS.values())
 
 
 def adversarial_cp_row(world_size: int, device: torch.device | str | None = None) -> PackedBoundaries:
@@ -121,7 +150,10 @@ def cp_backend_serves(op: str, name: str, backend: str | None, refusal: Callable
     Never when another ``backend`` is forced; when ``backend`` is ``name`` (forced) or None, it serves if
     ``refusal()`` gives no reason and, unless ``HYBRID_PACK_VERIFY=0``, it passed :func:`cp_verdict`. A forced
     backend that cannot serve raises ``RuntimeError`` with the reason. The answer is the same on every rank as
-    long as ``refusal`` reads only what every rank shares (device type, dtypes, sizes, the group).
+    long as ``refusal`` reads only what every rank shares (device type, dtypes, sizes, the group) and the ranks
+    share one environment (installed packages, GPU model, ``HYBRID_PACK_VERIFY``): a rank that refused while
+    the others run the check would leave them waiting in it, so a group of mixed GPUs or environments is not
+    supported.
     """
     if backend not in (None, name):
         return False

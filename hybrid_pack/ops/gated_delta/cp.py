@@ -24,7 +24,6 @@ import torch
 from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves, gated_delta_rule_fla_cp
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
-    check_group,
     fold,
     gather_summaries,
     segment_initial_states,
@@ -62,7 +61,7 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
         ``(o [1, T_local, HV, V], final states or None)``, as the op on the whole row restricted to this
         rank (float64 inputs: equal to 1e-10).
     """
-    check_group(boundaries)
+    boundaries.check_group()
     if fla_cp_serves(backend, functools.partial(op, backend="torch"), q, k, v, g, beta, boundaries,
                      initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm):
         return gated_delta_rule_fla_cp(q, k, v, g, beta, boundaries, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -74,9 +73,9 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
 
     num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
     state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-    continues = bool(chain.sources)
+    continues = boundaries.continues_from_previous
     segments = segments_as_documents(boundaries)
-    starts = segment_initial_states(initial_state, boundaries, continues, state_dtype)
+    starts = segment_initial_states(initial_state, boundaries, state_dtype)
     if continues:
         # Widen the values by K zero columns whose state starts as the identity in the first segment.
         v = torch.cat([v, v.new_zeros(*v.shape[:3], k_dim)], dim=-1)

@@ -23,24 +23,33 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.dispatch.cp_check import cp_backend_serves
-from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_environment_reason
+from hybrid_pack.ops.dispatch.cp_check import cp_backend_serves, register_cp_backend
+from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_device_reason, fla_cp_group_reason
 from hybrid_pack.ops.gated_delta import fla_hopper
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.kernel_fla import MAX_HEAD_DIM
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
-__all__ = ["fla_cp_refusal", "gated_delta_rule_fla_cp", "fla_cp_serves"]
+__all__ = ["device_reason", "fla_cp_refusal", "gated_delta_rule_fla_cp", "fla_cp_serves"]
+
+
+def device_reason(device: torch.device) -> str:
+    """Why fla's context-parallel gated delta rule cannot run on ``device`` here ("" when it may)."""
+    reason = fla_cp_device_reason(device)
+    if not reason and torch.cuda.get_device_capability(device)[0] < 8:
+        reason = "fla's gated delta rule context parallelism needs compute capability >= 8.0 (TF32x3 affine chain)"
+    return reason
+
+
+register_cp_backend(OP, FLA_CP, device_reason)
 
 
 def fla_cp_refusal(q: torch.Tensor, boundaries: ShardedBoundaries, *, initial_state: torch.Tensor | None,
                    output_final_state: bool) -> str:
     """Why fla's context parallelism cannot take this call ("" when it can, pending the self-check)."""
-    reason = fla_cp_environment_reason(q.device, boundaries)
+    reason = device_reason(q.device) or fla_cp_group_reason(boundaries)
     if reason:
         return reason
-    if torch.cuda.get_device_capability(q.device)[0] < 8:
-        return "fla's gated delta rule context parallelism needs compute capability >= 8.0 (TF32x3 affine chain)"
     if initial_state is not None or output_final_state:
         return "fla's context parallelism takes no initial states and returns no final states"
     if q.shape[-1] > MAX_HEAD_DIM:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
-    check_group,
     fold,
     gather_summaries,
     segment_initial_states,
@@ -32,15 +31,15 @@ from hybrid_pack.parallel.state_passing import (
 __all__ = ["mamba2_ssd_cp"]
 
 
-def mamba2_ssd_cp(local_op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
                   dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, boundaries: ShardedBoundaries,
                   *, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool,
-                  chunk_size: int, initial_states: torch.Tensor | None,
-                  return_final_states: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  chunk_size: int, initial_states: torch.Tensor | None, return_final_states: bool,
+                  backend: str | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """This rank's part of :func:`hybrid_pack.ops.mamba2_ssd` on the whole row.
 
     Args:
-        local_op: the single-device op (same arguments as the public op, backend chosen).
+        op: the public single-device op (called with plain boundaries and ``backend``).
         x, z: ``[1, T_local, H, P]``; dt ``[1, T_local, H]``; B, C ``[1, T_local, G, N]``; the rest as the op.
         boundaries: this rank's :class:`ShardedBoundaries`.
         initial_states: ``[N_local, H, P, N]`` for the local documents. A document's initial state belongs
@@ -53,19 +52,20 @@ def mamba2_ssd_cp(local_op: Callable[..., torch.Tensor | tuple[torch.Tensor, tor
         ``y [1, T_local, H, P]``, or ``(y, final states)``, as the op on the whole row restricted to this
         rank (float64 inputs: equal to 1e-10).
     """
-    kwargs = {"D": D, "z": z, "dt_bias": dt_bias, "dt_softplus": dt_softplus, "chunk_size": chunk_size}
-    check_group(boundaries)
+    kwargs = {"D": D, "z": z, "dt_bias": dt_bias, "dt_softplus": dt_softplus, "chunk_size": chunk_size,
+              "backend": backend}
+    boundaries.check_group()
     chain = state_chain(boundaries)
     if not chain.exchanges:
-        return local_op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=initial_states,
-                        return_final_states=return_final_states)
+        return op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=initial_states,
+                  return_final_states=return_final_states)
 
     heads, head_dim, groups, state_dim = x.shape[2], x.shape[3], B.shape[2], B.shape[3]
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    continues = bool(chain.sources)
-    starts = segment_initial_states(initial_states, boundaries, continues, cdtype, padding=False)
-    result = local_op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=starts,
-                      return_final_states=return_final_states)
+    continues = boundaries.continues_from_previous
+    starts = segment_initial_states(initial_states, boundaries, cdtype, padding=False)
+    result = op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=starts,
+                return_final_states=return_final_states)
     y, finals = result if return_final_states else (result, None)
     bias = None if dt_bias is None else dt_bias.to(cdtype)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -63,9 +61,9 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
     if isinstance(boundaries, ShardedBoundaries):
-        return mamba2_ssd_cp(functools.partial(mamba2_ssd, backend=backend), x, dt, A, B, C, boundaries, D=D, z=z,
-                             dt_bias=dt_bias, dt_softplus=dt_softplus, chunk_size=chunk_size,
-                             initial_states=initial_states, return_final_states=return_final_states)
+        return mamba2_ssd_cp(mamba2_ssd, x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias,
+                             dt_softplus=dt_softplus, chunk_size=chunk_size, initial_states=initial_states,
+                             return_final_states=return_final_states, backend=backend)
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
     impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=requires_grad,
                    inputs={"x": x, "B": B, "chunk_size": chunk_size, "initial_states": initial_states,
