@@ -63,9 +63,9 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *,
     """
     _check_shapes(logits, labels, boundaries)
     targets = labels
-    if boundaries is not None and boundaries.num_segments > 1:
-        starts = boundaries.cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long)
-        targets = targets.index_fill(-1, starts, IGNORE_INDEX)
+    if boundaries is not None and boundaries.num_segments > 1:  # a mask, not indices: no data-dependent shape
+        starts = boundaries.position_ids.to(labels.device).view(1, -1).expand_as(labels) == 0
+        targets = targets.masked_fill(starts, IGNORE_INDEX)
     targets = targets[:, 1:]
     logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
     nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
