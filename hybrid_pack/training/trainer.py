@@ -261,7 +261,7 @@ class _PackedSteps:
                 batch = collator([self.features[i] for i in indices])
                 micro.append({INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
                               BOUNDARIES: PackedBoundaries.from_batch(batch),
-                              REAL_TOKENS: batch[INPUT_IDS].shape[1] - batch.get(NUM_PAD_TOKENS, 0)})
+                              REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch.get(NUM_PAD_TOKENS, 0))})
                 if len(micro) == self.grad_accum:
                     yield micro
                     micro = []
