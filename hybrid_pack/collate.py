@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import (
     COLLATED_KEYS,
@@ -135,10 +136,6 @@ class PackingCollator:
         if 0 in lengths:
             raise InputError(f"features[{lengths.index(0)}].{INPUT_IDS}: expected at least one token; got an empty "
                              f"document (drop empty examples before collating)")
-        if self.max_documents is not None and len(lengths) > self.max_documents:
-            raise InputError(f"max_documents: the features hold {len(lengths)} documents, more than "
-                             f"max_documents={self.max_documents} (raise max_documents, or plan the packs with "
-                             f"plan_packs(..., max_documents={self.max_documents}))")
         num_real = sum(lengths)
         num_pad = self._num_pad_tokens(num_real)
         layout = _Layout(lengths, num_real, num_real + num_pad)
@@ -164,15 +161,10 @@ class PackingCollator:
         if num_pad:
             batch[NUM_PAD_TOKENS] = num_pad
         if self.max_documents is not None:
-            batch.update(self._static_boundary_keys(boundaries))
+            cu_seqlens = StaticBoundaries.from_boundaries(boundaries, self.max_documents).cu_seqlens
+            batch.update({CU_SEQ_LENS_Q: cu_seqlens, CU_SEQ_LENS_K: cu_seqlens, MAX_LENGTH_Q: self.pack_length,
+                          MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(num_pad)})
         return batch  # type: ignore[return-value]
-
-    def _static_boundary_keys(self, boundaries: PackedBoundaries) -> dict[str, Any]:
-        """The boundary keys of the static form: the same shapes and Python values for every batch."""
-        cu_seqlens = torch.full((self.max_documents + 2,), self.pack_length, dtype=torch.int32)
-        cu_seqlens[:boundaries.num_segments + 1] = boundaries.cu_seqlens
-        return {CU_SEQ_LENS_Q: cu_seqlens, CU_SEQ_LENS_K: cu_seqlens, MAX_LENGTH_Q: self.pack_length,
-                MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(boundaries.num_pad_tokens)}
 
     def _num_pad_tokens(self, num_tokens: int) -> int:
         if self.pack_length is not None:

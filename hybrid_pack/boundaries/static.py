@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from hybrid_pack.errors import BoundaryError
+from hybrid_pack.boundaries.packed import PackedBoundaries
+from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.schema import CU_SEQ_LENS_Q, POSITION_IDS, SEQ_IDX
 
 __all__ = ["StaticBoundaries"]
@@ -62,6 +63,17 @@ class StaticBoundaries:
             raise BoundaryError(f"{missing[0]}: a compiled packed forward needs {CU_SEQ_LENS_Q}, {SEQ_IDX} and "
                                 f"{POSITION_IDS} (pass the whole PackingCollator batch)")
         return cls(batch[CU_SEQ_LENS_Q], batch[SEQ_IDX], batch[POSITION_IDS])
+
+    @classmethod
+    def from_boundaries(cls, boundaries: PackedBoundaries, max_documents: int) -> StaticBoundaries:
+        """The static form of ``boundaries``: ``cu_seqlens`` ``[max_documents + 2]``, its unused slots repeating ``T``."""
+        if boundaries.num_docs > max_documents:
+            raise InputError(f"max_documents: the row holds {boundaries.num_docs} documents, more than "
+                             f"max_documents={max_documents} (raise max_documents, or plan the packs with "
+                             f"plan_packs(..., max_documents={max_documents}))")
+        cu_seqlens = boundaries.cu_seqlens.new_full((max_documents + 2,), boundaries.total_tokens)
+        cu_seqlens[:boundaries.num_segments + 1] = boundaries.cu_seqlens
+        return cls(cu_seqlens, boundaries.seq_idx, boundaries.position_ids)
 
     @property
     def total_tokens(self) -> int:

@@ -131,7 +131,10 @@ class PackedCustomOp:
     def _run(self, tensors: list[torch.Tensor | None], cu_seqlens: torch.Tensor, options: dict[str, Any],
              backend: str | None) -> list[torch.Tensor]:
         boundaries = _packed_boundaries(self.name, cu_seqlens)
-        out = self.eager(*tensors, boundaries, backend=backend, **options)
+        given = list(tensors)
+        if self.state_input is not None and given[self.state_input] is not None:  # the non-empty slots' states
+            given[self.state_input] = given[self.state_input][:boundaries.num_segments]
+        out = self.eager(*given, boundaries, backend=backend, **options)
         return _states_per_slot(out, tensors, self.state_input, cu_seqlens.shape[0] - 1)
 
     # -- forward
