@@ -32,6 +32,8 @@ class TrainConfig:
         resume: continue from ``out/checkpoint.pt``.
         guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
             micro-batch and every N-th after it against its documents run alone; 0 turns it off.
+        compile: ``torch.compile`` the model's forward and feed it static batches (docs/compile.md): every row
+            ``capacity`` tokens and at most as many documents as the fullest pack of the plan, one graph.
     """
 
     model: str = "qwen3-next-tiny"
@@ -57,6 +59,7 @@ class TrainConfig:
     guard_every: int = DEFAULT_GUARD_EVERY
     log_every: int = 1
     progress: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("capacity", "epochs", "grad_accum"):

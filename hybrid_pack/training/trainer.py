@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
@@ -30,7 +31,7 @@ from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS
+from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, NUM_PAD_TOKENS, POSITION_IDS, SEQ_IDX
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.checkpoint import CHECKPOINT, CheckpointSaver, load_checkpoint
 from hybrid_pack.training.comparison import compare_padded
@@ -89,10 +90,12 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
         _check_isolation_first(model, cfg, proc, metrics)
     lengths = [len(f[INPUT_IDS]) for f in features]
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=proc.world, rank=proc.rank, seed=cfg.seed)
+    if cfg.compile:  # the static shape (SPEC §9): every row `capacity` tokens, the fullest pack's documents
+        metrics.update(pack_length=cfg.capacity, max_documents=int(sampler.plan.pack_num_documents.max()))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
     guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed).attach() if cfg.guard_every else None
     try:
-        stats = _train_packed(model, features, sampler, cfg, proc, guard)
+        stats = _train_packed(model, features, sampler, cfg, proc, guard, metrics.get("max_documents"))
     except IsolationError:
         _write_metrics(proc, metrics, guard)
         raise
@@ -100,6 +103,8 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
         if guard is not None:
             guard.detach()
     metrics.update(_packed_metrics(model, stats, sampler, lengths, cfg, proc))
+    if cfg.compile:
+        metrics["compiles"] = stats.compiles
     padded_stats = None
     if cfg.compare_padded:
         padded_stats = compare_padded(model, initial_state, features, stats, cfg, proc.device, proc.autocast, metrics)
@@ -182,8 +187,12 @@ def _check_isolation_first(model: torch.nn.Module, cfg: TrainConfig, proc: _Proc
 
 
 def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler,
-                  cfg: TrainConfig, proc: _Process, guard: PackingGuard | None) -> RunStats:
-    """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step."""
+                  cfg: TrainConfig, proc: _Process, guard: PackingGuard | None, max_documents: int | None) -> RunStats:
+    """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step.
+
+    With ``max_documents`` (``cfg.compile``) the rows are static batches and the model's forward is compiled
+    (its hooks, the guard's, stay outside the graph); ``stats.compiles`` counts the graphs compiled.
+    """
     total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
     trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
     optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
@@ -192,10 +201,20 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
         start_step, stats = load_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, proc.device)
     saver = CheckpointSaver(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, stats,
                             every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
-    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups)
-    return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device, autocast=proc.autocast,
-                      world=proc.world, describe="packed", optimizer=optimizer, scheduler=scheduler, stats=stats,
-                      start_step=start_step, on_step=saver, guard=guard)
+    collator = (PackingCollator(pack_length=cfg.capacity, max_documents=max_documents) if max_documents
+                else PackingCollator())
+    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator)
+    graphs_before = counters["stats"]["unique_graphs"]
+    if max_documents:
+        model.forward = torch.compile(model.forward)
+    try:
+        return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device,
+                          autocast=proc.autocast, world=proc.world, describe="packed", optimizer=optimizer,
+                          scheduler=scheduler, stats=stats, start_step=start_step, on_step=saver, guard=guard)
+    finally:
+        if max_documents:
+            del model.forward  # the padded comparison (other shapes) runs eagerly
+            stats.compiles = counters["stats"]["unique_graphs"] - graphs_before
 
 
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],
@@ -247,20 +266,22 @@ class _PackedSteps:
     ``batch_sampler=sampler`` and no workers yields), recording each micro-batch's example indices."""
 
     def __init__(self, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler, grad_accum: int,
-                 epochs: int, groups: list[list[int]]) -> None:
-        self.features, self.sampler, self.grad_accum, self.epochs, self.groups = (
-            features, sampler, grad_accum, epochs, groups)
+                 epochs: int, groups: list[list[int]], collator: PackingCollator) -> None:
+        self.features, self.sampler, self.grad_accum, self.epochs, self.groups, self.collator = (
+            features, sampler, grad_accum, epochs, groups, collator)
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
-        collator = PackingCollator()
+        collator = self.collator
         for epoch in range(self.sampler.epoch, self.epochs):
             self.sampler.set_epoch(epoch)
             micro: list[MicroBatch] = []
             for indices in self.sampler:
                 self.groups.append(list(indices))
                 batch = collator([self.features[i] for i in indices])
-                micro.append({INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
-                              BOUNDARIES: PackedBoundaries.from_batch(batch),
+                # A static batch keeps its boundary tensors (a compiled graph reads no host values).
+                boundaries = ({key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS)}
+                              if collator.max_documents else {BOUNDARIES: PackedBoundaries.from_batch(batch)})
+                micro.append({INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], **boundaries,
                               REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch.get(NUM_PAD_TOKENS, 0))})
                 if len(micro) == self.grad_accum:
                     yield micro
