@@ -38,7 +38,7 @@ class StaticBoundaries:
     are per segment slot: ``[S, ...]``, a zero-length slot's final state being its initial one.
     """
 
-    __slots__ = ("cu_seqlens", "seq_idx", "position_ids")
+    __slots__ = ("cu_seqlens", "position_ids", "seq_idx")
 
     def __init__(self, cu_seqlens: torch.Tensor, seq_idx: torch.Tensor, position_ids: torch.Tensor) -> None:
         for name, tensor, dtype, ndim in ((CU_SEQ_LENS_Q, cu_seqlens, torch.int32, 1),
@@ -66,7 +66,7 @@ class StaticBoundaries:
 
     @classmethod
     def from_boundaries(cls, boundaries: PackedBoundaries, max_documents: int) -> StaticBoundaries:
-        """The static form of ``boundaries``: ``cu_seqlens`` ``[max_documents + 2]``, its unused slots repeating ``T``."""
+        """The static form of ``boundaries``: ``cu_seqlens`` ``[max_documents + 2]``, unused slots repeating ``T``."""
         if boundaries.num_docs > max_documents:
             raise InputError(f"max_documents: the row holds {boundaries.num_docs} documents, more than "
                              f"max_documents={max_documents} (raise max_documents, or plan the packs with "

@@ -34,7 +34,7 @@ from hybrid_pack.errors import InputError
 
 __all__ = ["PackedCustomOp"]
 
-_LIBRARY = torch.library.Library("hybrid_pack", "DEF")  # noqa: TOR901 (a library of ops, kept for the process)
+_LIBRARY = torch.library.Library("hybrid_pack", "DEF")
 _last = threading.local()
 
 Eager = Callable[..., Any]

@@ -8,8 +8,8 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.selector import resolve
-from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
+from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 
 

@@ -14,9 +14,9 @@ from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 
 
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-               boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
-               dt_bias: torch.Tensor | None = None, dt_softplus: bool = True, chunk_size: int = 64,
-               initial_states: torch.Tensor | None = None, return_final_states: bool = False,
+               boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
+               z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+               chunk_size: int = 64, initial_states: torch.Tensor | None = None, return_final_states: bool = False,
                backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2 SSD: ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T``, ``y_t = C_t^T h_t + D x_t``.
 
