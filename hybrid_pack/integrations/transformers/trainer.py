@@ -5,7 +5,8 @@
 packed ``DataLoader`` and hands the model ready ``boundaries=`` built on the host. The sampler
 yields every rank's steps interleaved (``rank=None``), the layout accelerate's
 ``BatchSamplerShard`` splits across processes, and a callback sets its epoch so each epoch (and a
-resumed one) walks its own order.
+resumed one) walks its own order. Under ``TrainingArguments(torch_compile=True)`` the rows are static
+batches (docs/compile.md) and the model builds its boundaries itself, so one graph serves every row.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class PackedBatches:
     packed_sampler: PackedBatchSampler | None = None
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
+        # Compiled, the model reads the batch's boundary tensors itself (host ints would be graph constants).
+        compiled = self.args.torch_compile  # type: ignore[attr-defined]
+        boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs and not compiled else None
         inputs = super()._prepare_inputs(inputs)  # type: ignore[misc]
         if boundaries is not None:
             inputs[BOUNDARIES] = boundaries.to(self.args.device)  # type: ignore[attr-defined]
@@ -74,13 +77,19 @@ class PackedTrainer(PackedBatches, Trainer):
     Args:
         lengths: token count of every example of ``train_dataset``.
         capacity: tokens per packed row (``per_device_train_batch_size`` is ignored: one row per step and rank).
-        collator: defaults to ``PackingCollator()``.
+        collator: defaults to ``PackingCollator()``; with ``torch_compile=True`` to the static
+            ``PackingCollator(pack_length=capacity, max_documents=...)`` with as many documents as the plan's
+            fullest pack (one compiled graph for every row).
         *args, **kwargs: as for ``transformers.Trainer``.
     """
 
     def __init__(self, *args: Any, lengths: Sequence[int] | np.ndarray, capacity: int,
                  collator: PackingCollator | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
+                                     seed=self.args.seed)
+        if collator is None and self.args.torch_compile:
+            collator = PackingCollator(pack_length=capacity,
+                                       max_documents=int(sampler.plan.pack_num_documents.max()))
         self.packing_collator = collator or PackingCollator()
-        self.use_packed_sampler(PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
-                                                   seed=self.args.seed))
+        self.use_packed_sampler(sampler)
