@@ -50,6 +50,11 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--isolation-check", action="store_true", help="run the isolation harness on the model first")
     p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard every decoder block and the root with FSDP2 (bf16 mixed precision on "
+                        "CUDA), checkpoints in OUT/checkpoint/ with torch.distributed.checkpoint")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun: split each packed row across N ranks (docs/parallel.md)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model on static batches: one graph for every row (docs/compile.md)")
 
@@ -106,7 +111,8 @@ def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
                        grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, dtype=args.dtype, device=args.device,
                        compare_padded=args.compare_padded, isolation_check=args.isolation_check,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume, compile=args.compile)
+                       checkpoint_every=args.checkpoint_every, resume=args.resume, fsdp=args.fsdp,
+                       context_parallel=args.context_parallel, compile=args.compile)
 
 
 def _print_summary(metrics: dict[str, Any], out: str) -> None:
@@ -121,6 +127,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     table.add_row("packs per epoch (lower bound) / steps",
                   f"{metrics['packs_per_epoch']} ({metrics['packs_lower_bound']}) / {metrics['steps']}")
     table.add_row("packing efficiency", f"{100 * metrics['packing_efficiency']:.1f}% of {metrics['capacity']}")
+    if "fsdp" in metrics:
+        table.add_row("sharded with FSDP2", f"{metrics['world_size']} ranks, {metrics['fsdp']['mixed_precision']}")
     if metrics.get("isolation_ok") is not None:
         table.add_row("isolation harness", "no leak" if metrics["isolation_ok"] else "LEAK")
     for decision in metrics.get("backends", []):

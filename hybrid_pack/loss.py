@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import IGNORE_INDEX
 
-__all__ = ["packed_loss", "token_logprobs"]
+__all__ = ["packed_loss", "shift_labels", "token_logprobs"]
 
 Reduction = Literal["token", "sequence"]
 
@@ -45,8 +46,26 @@ def _check_shapes(logits: torch.Tensor, labels: torch.Tensor, boundaries: Packed
                              f"got {boundaries.total_tokens}")
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *,
-                   boundaries: PackedBoundaries | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def shift_labels(labels: torch.Tensor, boundaries: PackedBoundaries | None = None) -> torch.Tensor:
+    """The target of every position: ``labels[:, t + 1]`` at ``t``, ``-100`` at the row's last position.
+
+    Args:
+        labels: int ``[B, T]``, unshifted.
+        boundaries: the row's boundaries; when given, a document's last token gets ``-100`` too (the next
+            document's first token is not its target).
+
+    Returns:
+        int ``[B, T]`` aligned with the logits: what ``logits[:, t]`` is scored against.
+    """
+    targets = labels
+    if boundaries is not None and boundaries.num_segments > 1:  # a mask, not indices: no data-dependent shape
+        starts = boundaries.position_ids.to(labels.device).view(1, -1).expand_as(labels) == 0
+        targets = targets.masked_fill(starts, IGNORE_INDEX)
+    return F.pad(targets[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: PackedBoundaries | None = None,
+                   shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of every labelled token under the logits of the position before it, in float32.
 
     Args:
@@ -54,29 +73,27 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *,
         labels: int ``[B, T]``, unshifted, ``-100`` where no loss is taken.
         boundaries: the row's boundaries; when given, the first token of every document is never a
             target (it would be predicted from the previous document).
+        shifted: ``labels`` are already shifted (:func:`shift_labels`, what a context-parallel shard
+            carries as ``shift_labels``): ``labels[:, t]`` is the target of ``logits[:, t]``.
 
     Returns:
         ``(logprobs, mask)``, both ``[B, T]`` and aligned with the tokens: ``logprobs[:, t]`` is
         ``log p(labels[:, t] | tokens < t)`` (float32, or float64 for float64 logits; 0 where there
         is no target) and ``mask`` (bool)
-        marks the positions that are targets. Position 0 is never a target.
+        marks the positions that are targets. Position 0 is never a target. With ``shifted`` they are
+        aligned with the logits instead: ``logprobs[:, t]`` is ``log p(labels[:, t] | tokens <= t)``.
     """
     _check_shapes(logits, labels, boundaries)
-    targets = labels
-    if boundaries is not None and boundaries.num_segments > 1:  # a mask, not indices: no data-dependent shape
-        starts = boundaries.position_ids.to(labels.device).view(1, -1).expand_as(labels) == 0
-        targets = targets.masked_fill(starts, IGNORE_INDEX)
-    targets = targets[:, 1:]
-    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    targets = labels if shifted else shift_labels(labels, boundaries)[:, :-1]
+    logits = (logits if shifted else logits[:, :-1]).to(torch.promote_types(logits.dtype, torch.float32))
     nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    logprobs = F.pad(-nll.view_as(targets), (1, 0))
-    mask = F.pad(targets != IGNORE_INDEX, (1, 0))
-    return logprobs, mask
+    logprobs, mask = -nll.view_as(targets), targets != IGNORE_INDEX
+    return (logprobs, mask) if shifted else (F.pad(logprobs, (1, 0)), F.pad(mask, (1, 0)))
 
 
 def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: PackedBoundaries | None = None,
                 reduction: Reduction = "token",
-                num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                num_items_in_batch: int | torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
     """Next-token cross-entropy of a packed batch, equal to the same loss on the unpacked documents.
 
     Args:
@@ -92,6 +109,9 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
             It counts target tokens for ``"token"`` and documents with at least one target for
             ``"sequence"``, over all micro-batches of the optimizer step (and all ranks if the
             gradients are summed rather than averaged).
+        shifted: ``labels`` are already shifted (:func:`shift_labels`; a context-parallel shard's
+            ``shift_labels``, whose ``num_items_in_batch`` counts the whole row's targets, so that the
+            shards' losses sum to the row's).
 
     Returns:
         A float32 scalar (float64 for float64 logits). With no target at all it is 0 (with a zero
@@ -102,7 +122,10 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
     if reduction == "sequence" and boundaries is None:
         raise InputError("boundaries: reduction='sequence' needs the row's document boundaries "
                          "(pass boundaries=PackedBoundaries.from_batch(batch))")
-    logprobs, mask = token_logprobs(logits, labels, boundaries=boundaries)
+    if reduction == "sequence" and isinstance(boundaries, ShardedBoundaries):
+        raise InputError("reduction: 'sequence' needs whole documents, and these boundaries are one rank's shard "
+                         "of a context-parallel row; use reduction='token'")
+    logprobs, mask = token_logprobs(logits, labels, boundaries=boundaries, shifted=shifted)
     if reduction == "token":
         total = -logprobs.sum()
         count = mask.sum() if num_items_in_batch is None else num_items_in_batch

@@ -14,7 +14,8 @@ import torch
 __all__ = [
     "IGNORE_INDEX", "INPUT_IDS", "LABELS", "POSITION_IDS", "SEQ_IDX", "CU_SEQ_LENS_Q", "CU_SEQ_LENS_K",
     "MAX_LENGTH_Q", "MAX_LENGTH_K", "NUM_PAD_TOKENS", "RESPONSE_MASK", "TOOL_MASK", "ADVANTAGES", "OLD_LOGPROBS",
-    "SAMPLE_INDEX", "INPUTS_EMBEDS", "ATTENTION_MASK", "BOUNDARIES", "NUM_ITEMS_IN_BATCH", "PackedBatch",
+    "SAMPLE_INDEX", "INPUTS_EMBEDS", "ATTENTION_MASK", "BOUNDARIES", "NUM_ITEMS_IN_BATCH", "SHIFT_LABELS",
+    "PackedBatch",
     "BOUNDARY_KEYS", "PRIMARY_BOUNDARY_KEYS", "SECONDARY_BOUNDARY_KEYS", "COLLATED_KEYS", "DEFAULT_EXTRA_TOKEN_KEYS",
     "FLOAT_TOKEN_KEYS", "ROLLOUT_TOKEN_KEYS", "CACHE_KEYS", "USE_CACHE",
 ]
@@ -45,6 +46,8 @@ INPUTS_EMBEDS = "inputs_embeds"
 ATTENTION_MASK = "attention_mask"
 BOUNDARIES = "boundaries"
 NUM_ITEMS_IN_BATCH = "num_items_in_batch"
+SHIFT_LABELS = "shift_labels"
+"""Labels already shifted (the target of position t at t), as a context-parallel shard carries them."""
 USE_CACHE = "use_cache"
 CACHE_KEYS = ("past_key_values", "cache_params")
 """Model keywords carrying a KV / recurrent-state cache (refused on packed rows: a cache mixes documents)."""

@@ -8,6 +8,8 @@
 #
 # flash-attn is left out (its build takes far longer): `pip install flash-attn --no-build-isolation` adds it.
 # Usage: scripts/install_kernels_gpu.sh [VENV]   (default: .venv)
+# Offline (an air-gapped cluster): WHEELHOUSE=DIR takes every package from DIR, made beforehand on a machine
+# with network by scripts/gpu_wheelhouse.sh; nothing is fetched.
 set -euo pipefail
 
 VENV="${1:-.venv}"
@@ -24,14 +26,18 @@ fi
 FLA_VERSION=0.6.0
 MAMBA_SSM_VERSION=2.3.2.post1
 CAUSAL_CONV1D_VERSION=1.7.0
+PIP=("$PYTHON" -m pip install)
+if [[ -n "${WHEELHOUSE:-}" ]]; then
+    PIP+=(--no-index --find-links "$WHEELHOUSE")
+fi
 ARCH=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'{major}.{minor}')")
 
-"$PYTHON" -m pip install --no-deps "fla-core==$FLA_VERSION" "flash-linear-attention==$FLA_VERSION" "einops>=0.8"
+"${PIP[@]}" --no-deps "fla-core==$FLA_VERSION" "flash-linear-attention==$FLA_VERSION" "einops>=0.8"
 TORCH_CUDA_ARCH_LIST="$ARCH" CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-16}" \
-    "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir \
+    "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall --no-cache-dir \
     "causal-conv1d==$CAUSAL_CONV1D_VERSION"  # no cache: the CPU tier's wheel of the same version has no CUDA extension
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
-    "$PYTHON" -m pip install --no-build-isolation --no-deps --force-reinstall "mamba-ssm==$MAMBA_SSM_VERSION"
+    "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall "mamba-ssm==$MAMBA_SSM_VERSION"
 
 "$PYTHON" - <<'PY'
 from importlib.metadata import version

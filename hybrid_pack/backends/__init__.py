@@ -8,6 +8,7 @@ user's own kernel, which is checked like the others before it serves.
 
 from hybrid_pack.backends.report import report
 from hybrid_pack.ops import dispatch as _dispatch  # noqa: F401  (importing the ops registers their backends)
+from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.registry import backends_of, get_backend, register, registered_ops, unregister
 from hybrid_pack.ops.dispatch.selector import ENV_VAR, VERIFY_ENV, Decision, decisions, resolve, select, use_backends
@@ -18,5 +19,5 @@ OPS = registered_ops()
 """The ops: ``"attention"``, ``"conv"``, ``"gated_delta"``, ``"ssd"``."""
 
 __all__ = ["OPS", "ENV_VAR", "VERIFY_ENV", "CACHE_ENV", "Backend", "BackendStatus", "CheckResult", "Decision",
-           "available", "backends_of", "decisions", "get_backend", "register", "unregister", "report", "resolve",
-           "select", "use_backends", "verify"]
+           "available", "backends_of", "decisions", "get_backend", "rank_local", "register", "unregister", "report",
+           "resolve", "select", "use_backends", "verify"]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from hybrid_pack.distributed import distributed
+from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import select, verdict_for, verification_enabled
@@ -35,10 +38,18 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
     """Per op: the backend chosen for a typical call with backward, and every alternative with why not.
 
     Choosing checks the kernels it would pick (cached on disk per environment); lower-priority ones are
-    left unchecked (``hybrid-pack backends --verify`` checks them all).
+    left unchecked (``hybrid-pack backends --verify`` checks them all). Under ``torch.distributed`` it shows the
+    verdicts the ranks agreed on where they have (a backend serves only where it passed on every rank), this
+    rank's own elsewhere; it starts no collective, so one rank may print it alone.
     """
-    device = torch.device(device) if device is not None else default_device()
+    with rank_local():
+        return _report(torch.device(device) if device is not None else default_device(), dtype)
+
+
+def _report(device: torch.device, dtype: torch.dtype) -> str:
     check = f"self-check on, results kept in {cache_dir()}" if verification_enabled() else "self-check OFF"
+    if distributed():
+        check += f"; verdicts agreed across the {dist.get_world_size()} ranks as the model first runs"
     lines = [f"hybrid_pack backends on {device_name(device)}, {dtype_name(dtype)}, with backward ({check})", ""]
     header = f"{'op':<12} {'backend':<14} {'boundaries via':<22} status"
     lines += [header, "-" * len(header)]

@@ -141,6 +141,12 @@ class PackedBoundaries:
         return self.cu_seqlens.device
 
     @property
+    def document_positions(self) -> torch.Tensor:
+        """int64 ``[1, T]``: each token's position in its document, what RoPE rotates by (``position_ids``;
+        on a context-parallel shard, counted from the document's start on earlier ranks)."""
+        return self.position_ids
+
+    @property
     def starts(self) -> list[int]:
         """Start offset of every segment (Python ints)."""
         return np.concatenate([[0], np.cumsum(self.segment_lengths[:-1], dtype=np.int64)]).tolist()

@@ -85,6 +85,11 @@ class StaticBoundaries:
         return self.cu_seqlens.shape[0] - 1
 
     @property
+    def document_positions(self) -> torch.Tensor:
+        """Each token's position in its document (a static row holds whole documents: ``position_ids``)."""
+        return self.position_ids
+
+    @property
     def max_seqlen(self) -> int:
         return self.total_tokens
 

@@ -99,7 +99,7 @@ class HybridModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """int64 ``input_ids`` ``[1, T]`` or ``inputs_embeds`` ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rotary = None if self.rotary is None else self.rotary(boundaries.position_ids)
+        rotary = None if self.rotary is None else self.rotary(boundaries.document_positions)
         for layer in self.layers:
             hidden_states = layer(hidden_states, boundaries, rotary)
         return self.norm(hidden_states)
@@ -175,7 +175,8 @@ class HybridForCausalLM(nn.Module):
                 max_length_q: int | None = None, max_length_k: int | None = None,
                 num_pad_tokens: int | None = None, inputs_embeds: torch.Tensor | None = None, *,
                 boundaries: PackedBoundaries | None = None, num_items_in_batch: int | torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
+                attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
+                **kwargs: Any) -> CausalLMOutput:
         """Logits and, with ``labels``, the next-token loss of a packed batch.
 
         Args:
@@ -185,9 +186,12 @@ class HybridForCausalLM(nn.Module):
             position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, num_pad_tokens:
                 the collator's boundary keys; any subset that agrees is fine.
             inputs_embeds: ``[1, T, hidden]`` instead of ``input_ids`` (e.g. to take gradients w.r.t. them).
-            boundaries: a ready :class:`~hybrid_pack.PackedBoundaries` instead of the keys.
+            boundaries: a ready :class:`~hybrid_pack.PackedBoundaries` instead of the keys (a
+                :class:`~hybrid_pack.parallel.ShardedBoundaries`: this rank's part of a context-parallel row).
             num_items_in_batch: divide the summed loss by this (gradient accumulation).
             attention_mask: not supported; packed rows carry boundaries, not masks.
+            shift_labels: labels already shifted (the target of position t at t), used instead of ``labels``
+                for the loss: what :func:`hybrid_pack.parallel.shard_batch` gives a context-parallel shard.
             **kwargs: other per-token keys of the batch (``response_mask``, ``advantages``, ...) are
                 for the training loss, not the model, and are not read here.
 
@@ -223,12 +227,16 @@ class HybridForCausalLM(nn.Module):
             hidden_states = self.model(boundaries, input_ids=input_ids.reshape(1, -1))
         else:
             hidden_states = self.model(boundaries, inputs_embeds=inputs_embeds.reshape(1, rows * tokens, -1))
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states.view(rows, tokens, -1))   # not a view: FSDP2 hooks the output
         loss = None
-        if labels is not None:
-            loss = packed_loss(logits, labels.reshape(1, rows * tokens), boundaries=boundaries,
+        flat = logits.view(1, rows * tokens, -1)
+        if shift_labels is not None:
+            loss = packed_loss(flat, shift_labels.reshape(1, rows * tokens), boundaries=boundaries,
+                               num_items_in_batch=num_items_in_batch, shifted=True)
+        elif labels is not None:
+            loss = packed_loss(flat, labels.reshape(1, rows * tokens), boundaries=boundaries,
                                num_items_in_batch=num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits.view(rows, tokens, -1))
+        return CausalLMOutput(loss=loss, logits=logits)
 
     def save_pretrained(self, directory: str | PathLike[str]) -> None:
         """Write ``config.json`` and ``pytorch_model.bin`` (the state dict) to ``directory``."""

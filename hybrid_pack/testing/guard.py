@@ -27,11 +27,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from typing_extensions import Self
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
@@ -47,6 +50,7 @@ from hybrid_pack.schema import (
     SEQ_IDX,
 )
 from hybrid_pack.testing.isolation import _logits, _origin, _record_calls, dtype_tolerance
+from hybrid_pack.testing.ranks import global_rank, model_group
 
 __all__ = ["ACTIONS", "GuardRecord", "IsolationWarning", "PackingGuard"]
 
@@ -79,6 +83,9 @@ class GuardRecord:
         compared: ``"logits"``, or ``"hidden states"`` for a model whose output has no logits.
         first_leaking_module: with ``localize=True``, the first module whose output for the worst document
             differs from its run alone while its inputs do not (None when not asked or not found).
+        rank: under a process group (docs/api.md §7b), this process's rank (None: the check ran on one process).
+        leak_rank: the rank whose row showed the leak (the lowest when several did); ``ok`` is then False on every
+            rank, while ``max_diff``, ``documents`` and ``diffs`` stay this rank's own.
     """
 
     step: int | None
@@ -92,6 +99,8 @@ class GuardRecord:
     atol: float = 0.0
     compared: str = LOGITS
     first_leaking_module: str | None = None
+    rank: int | None = None
+    leak_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,17 +120,25 @@ class PackingGuard:
             least precise of the parameters', the output's and the autocast dtype; see ``DEFAULT_ATOL``).
         localize: on a leak, also name the first leaking module (reruns the worst document with hooks).
         seed: seeds the choice of the random documents.
+        group: the process group whose ranks check together (docs/api.md §7b). None: the model's own, found at
+            the first check (an FSDP2 module's mesh, an FSDP1 or DDP wrapper's group, the world for DeepSpeed
+            ZeRO-3), or no group for an unsharded model. Every rank of the group runs the same forwards, whatever
+            its row holds (a rank with fewer documents replays one of its own), and a leak found on any rank
+            raises (or warns) on every rank, naming the rank that found it.
 
     The guard's own calls run in eval mode under ``torch.no_grad()`` and leave the model's modes, the
     CPU and CUDA random states and the gradients as they were. Boundary keys must be passed by keyword
     (``model(**batch)``), as every trainer does. A ``DistributedDataParallel`` model is guarded through
-    its ``module``; each rank checks its own rows.
+    its ``module``; each rank checks its own rows. A sharded model costs each check two small collectives
+    (the run count, the verdict) beside the forwards' own.
     """
 
     def __init__(self, model: nn.Module, *, every: int = 100, documents: int = 3, action: str = "raise",
-                 atol: float | None = None, localize: bool = False, seed: int = 0) -> None:
+                 atol: float | None = None, localize: bool = False, seed: int = 0, group: Group | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model: expected a torch.nn.Module; got {type(model).__name__}")
+        self._wrapped, self._group_given, self._group_found = model, group, False
+        self._group: Group | None = None
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module    # the guard's own calls must not run DDP's collectives on one rank
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -178,6 +195,7 @@ class PackingGuard:
         """Count a packed training call and mark it when due; reads shapes only (no host sync)."""
         if self._checking:
             return
+        _refuse_context_parallel(kwargs.get(BOUNDARIES))
         if not module.training or not _is_packed(args, kwargs):
             self._due, self._capture = None, False
             return
@@ -230,36 +248,57 @@ class PackingGuard:
         began = time.perf_counter()
         lengths, starts = boundaries.lengths, boundaries.starts
         chosen = self._choose(lengths)
+        group = self.group
+        runs, rerun = len(chosen), packed is None
+        if group is not None:       # the same forwards on every rank: as many lone runs as the rank with most
+            runs, rerun = (int(v) for v in agree_max([runs, rerun], group))
         diffs: list[float] = []
         with self._own_calls():
-            if packed is None:
+            if rerun:
                 output = self.model(**batch)
-                packed, compared = self._packed_output(output, self._hidden)
+                if packed is None:
+                    packed, compared = self._packed_output(output, self._hidden)
             packed = _rows(packed, boundaries.total_tokens, compared)
             atol = self.atol if self.atol is not None else dtype_tolerance(self.model, packed.dtype, boundaries.device)
-            for doc in chosen:
+            for run in range(runs):
+                doc = chosen[run % len(chosen)]     # past this rank's own documents: a replay, not compared
                 start, length = starts[doc], lengths[doc]
                 output = self.model(**_document_batch(batch, boundaries, start, length,
                                                       with_labels=compared == HIDDEN_STATES))
                 alone, _ = self._packed_output(output, self._hidden, expected=compared)
-                diffs.append(_relative_diff(packed[start:start + length], _rows(alone, length, compared)))
-            ok = all(d <= atol for d in diffs)
+                if run < len(chosen):
+                    diffs.append(_relative_diff(packed[start:start + length], _rows(alone, length, compared)))
             worst = chosen[max(range(len(diffs)), key=diffs.__getitem__)]
+            leak = _Leak(rank=None, doc=worst, start=starts[worst], length=lengths[worst], diff=max(diffs),
+                         atol=atol) if not all(d <= atol for d in diffs) else None
+            if group is not None:
+                leak = _agree_on_leak(leak, group)
             module = None
-            if not ok and self.localize:
+            if leak is not None and self.localize:    # every rank reruns its worst document; the finder's names it
                 module = self._first_leaking_module(batch, boundaries, worst, atol,
                                                     with_labels=compared == HIDDEN_STATES)
+                if group is not None:
+                    module = share_objects(module, group)[leak.group_rank]
         _synchronize(boundaries.device)
-        record = GuardRecord(step=step, ok=ok, max_diff=max(diffs), documents=chosen,
+        record = GuardRecord(step=step, ok=leak is None, max_diff=max(diffs), documents=chosen,
                              seconds=time.perf_counter() - began, call=call, lengths=[lengths[d] for d in chosen],
-                             diffs=diffs, atol=atol, compared=compared or LOGITS, first_leaking_module=module)
+                             diffs=diffs, atol=atol, compared=compared or LOGITS, first_leaking_module=module,
+                             rank=None if group is None else dist.get_rank(),
+                             leak_rank=None if leak is None else leak.rank)
         self.records.append(record)
-        if ok:
+        if leak is None:
             logger.info("PackingGuard: step %s: documents %s (lengths %s) match their runs alone; max diff %.2g "
                         "(tolerance %.2g), %.3f s", step, chosen, record.lengths, record.max_diff, atol, record.seconds)
         else:
-            self._report(record, worst, starts[worst], lengths[worst])
+            self._report(record, leak)
         return record
+
+    @property
+    def group(self) -> Group | None:
+        """The process group checking together (docs/api.md §7b), found at the first check; None on one process."""
+        if not self._group_found:
+            self._group, self._group_found = model_group(self._wrapped, self._group_given), True
+        return self._group
 
     def _packed_output(self, output: Any, hidden: torch.Tensor | None,
                        expected: str | None = None) -> tuple[torch.Tensor, str]:
@@ -291,12 +330,17 @@ class PackingGuard:
             self.model(**_document_batch(batch, boundaries, start, length, with_labels=with_labels))
         return _origin(packed_calls, alone_calls, lambda t: t[0, start:start + length], lambda t: t[0], atol)
 
-    def _report(self, record: GuardRecord, doc: int, start: int, length: int) -> None:
+    def _report(self, record: GuardRecord, leak: _Leak) -> None:
         where = f"step {record.step}" + (f" (packed call {record.call})" if record.call is not None else "")
-        message = (f"PackingGuard: {where}: document {doc} of the packed row (tokens {start}..{start + length - 1}, "
-                   f"{length} tokens) differs from the same document run alone by {record.max_diff:.3g} "
-                   f"(tolerance {record.atol:.3g}, {record.compared}): the model mixes the documents of a packed "
+        row = "the packed row" if leak.rank is None else f"rank {leak.rank}'s packed row"
+        last = leak.start + leak.length - 1
+        message = (f"PackingGuard: {where}: document {leak.doc} of {row} (tokens {leak.start}..{last}, "
+                   f"{leak.length} tokens) differs from the same document run alone by {leak.diff:.3g} "
+                   f"(tolerance {leak.atol:.3g}, {record.compared}): the model mixes the documents of a packed "
                    "row. ")
+        if leak.rank is not None:
+            stops = "warns" if self.action == "warn" else "stops"
+            message = f"[rank {record.rank}] " + message + f"Found on rank {leak.rank}; every rank {stops}. "
         if record.first_leaking_module is not None:
             message += f"First leaking module: {record.first_leaking_module}. "
         elif not self.localize:
@@ -333,6 +377,30 @@ class PackingGuard:
                 "seconds": sum(r.seconds for r in self.records), "records": [r.to_dict() for r in self.records]}
 
 
+@dataclass(frozen=True)
+class _Leak:
+    """Where a check found a leak: the rank (None on one process) and its group rank, the document, its figures."""
+
+    rank: int | None
+    doc: int
+    start: int
+    length: int
+    diff: float
+    atol: float
+    group_rank: int = 0
+
+
+def _agree_on_leak(leak: _Leak | None, group: Group) -> _Leak | None:
+    """The leak found by the lowest rank of ``group`` that found one (the same on every rank), else None."""
+    mine = [0.0] * 6 if leak is None else [
+        1.0, leak.diff, leak.atol, float(leak.start), float(leak.length), float(leak.doc)]
+    for group_rank, (found, diff, atol, start, length, doc) in enumerate(gather_rows(mine, group)):
+        if found:
+            return _Leak(rank=global_rank(group, group_rank), doc=int(doc), start=int(start), length=int(length),
+                         diff=diff, atol=atol, group_rank=group_rank)
+    return None
+
+
 # ---------------------------------------------------------------------------- helpers
 def _is_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call carries one packed row: ``boundaries=``, a boundary key, or ``position_ids`` ``[1, T]``
@@ -358,8 +426,19 @@ def _positional(module: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
             if signature.parameters[name].kind is not inspect.Parameter.VAR_POSITIONAL}
 
 
+# --- context parallelism (docs/parallel.md): the guard checks whole rows only -------------------------
+def _refuse_context_parallel(boundaries: Any) -> None:
+    """Raise on a context-parallel shard, before any collective (every rank of the group gets one: none hangs)."""
+    if isinstance(boundaries, ShardedBoundaries):
+        raise InputError("boundaries: this call is one rank's shard of a context-parallel row; the guard checks "
+                         "whole rows, so detach it for context-parallel training and check the model unsharded "
+                         "(check_isolation(model) runs whole rows on one rank)")
+# --- end context parallelism ----------------------------------------------------------------------------
+
+
 def _boundaries(batch: Mapping[str, Any]) -> PackedBoundaries:
     given = batch.get(BOUNDARIES)
+    _refuse_context_parallel(given)
     if given is not None:
         if not isinstance(given, PackedBoundaries):
             raise InputError(f"boundaries: expected a hybrid_pack.PackedBoundaries; got {type(given).__name__}")

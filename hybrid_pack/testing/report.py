@@ -38,6 +38,9 @@ class LayoutResult:
     first_leaking_module: str | None = None
     leak_kind: str | None = None
     ok: bool = True
+    leak_rank: int | None = None
+    """Under a process group (docs/api.md §7b): the rank whose batch showed the leak; ``ok`` is then False on
+    every rank, while the figures stay this rank's own."""
 
     @property
     def max_leak(self) -> float:
@@ -95,7 +98,8 @@ class IsolationReport:
             lines.append(f"  error: {self.error}")
         for lay in self.layouts:
             pad = f" + {lay.num_pad_tokens} padding" if lay.num_pad_tokens else ""
-            lines.append(f"  [{'ok' if lay.ok else 'LEAK'}] {lay.name}: lengths {lay.lengths}{pad}")
+            found = f" (leak found on rank {lay.leak_rank})" if lay.leak_rank is not None else ""
+            lines.append(f"  [{'ok' if lay.ok else 'LEAK'}] {lay.name}: lengths {lay.lengths}{pad}{found}")
             for d in lay.documents:
                 flags = [f"alone {d.alone_diff:.2g}"]
                 if d.perturbation_leak is not None:

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import (
     BOUNDARY_KEYS,
@@ -40,6 +42,7 @@ from hybrid_pack.schema import (
     NUM_PAD_TOKENS,
 )
 from hybrid_pack.testing.isolation import _first_backward_leak, _max_abs, _origin, _record_calls, dtype_tolerance
+from hybrid_pack.testing.ranks import global_rank, model_group
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
 __all__ = ["check_training_step", "is_trainer"]
@@ -283,11 +286,17 @@ def _check_document(probe: _Probe, doc: _Document, packed: _Run, scale: float, *
         doc.result.gradient_leak = _max_abs(run.embeds.grad[0, probe.others(doc, run.embeds.device)])
 
 
-def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: float, grad_atol: float) -> None:
-    """Name the first leaking module: forward (packed against alone) first, else backward."""
+def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: float, grad_atol: float,
+              group: Group | None) -> None:
+    """Name the first leaking module: forward (packed against alone) first, else backward. Under a process group
+    every rank runs the same kind of localisation (on its own worst document) and takes the finding rank's."""
     mismatched = [d for d in docs if not d.result.alone_diff <= atol]
-    if mismatched:
-        doc = max(mismatched, key=lambda d: d.result.length)
+    leaking = [d for d in docs if (d.result.gradient_leak or 0.0) > grad_atol]
+    kind = 2 if mismatched else 1 if leaking else 0
+    if group is not None:
+        kind = int(agree_max([kind], group)[0])
+    if kind == 2:
+        doc = max(mismatched or docs, key=lambda d: d.result.length)
         with torch.no_grad(), _record_calls(probe.model, probe.t_len) as packed_calls:
             probe.run(doc)
         with torch.no_grad(), _record_calls(probe.model, doc.result.length) as alone_calls:
@@ -295,10 +304,9 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
         layout.first_leaking_module = _origin(packed_calls, alone_calls, lambda t: t[0, doc.start:doc.stop],
                                               lambda t: t[0], atol)
         layout.leak_kind = "packed differs from alone"
-        return
-    leaking = [d for d in docs if (d.result.gradient_leak or 0.0) > grad_atol]
-    if leaking:
-        doc = max(leaking, key=lambda d: d.result.gradient_leak)
+    elif kind == 1:
+        doc = (max(leaking, key=lambda d: d.result.gradient_leak) if leaking
+               else max(docs, key=lambda d: d.result.length))
         with _parameter_grads_kept(probe.model), warnings.catch_warnings():
             # the embedding module's inputs are token ids: its full backward hook only sees its output
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -306,6 +314,21 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
                 probe.model, lambda: probe.objective(probe.run(doc, grad=True), doc),
                 probe.others(doc, next(probe.model.parameters()).device), probe.t_len)
         layout.leak_kind = "backward"
+    if group is not None:
+        layout.first_leaking_module, layout.leak_kind = share_objects(
+            (layout.first_leaking_module, layout.leak_kind), group)[_group_rank(group, layout.leak_rank)]
+
+
+def _group_rank(group: Group, rank: int | None) -> int:
+    """The group rank of world rank ``rank`` (0 when None)."""
+    return next((r for r in range(dist.get_world_size(group)) if global_rank(group, r) == rank), 0)
+
+
+def _agree_on_layout(layout: LayoutResult, group: Group) -> None:
+    """``layout.ok`` on every rank: False wherever any rank's batch leaked, ``leak_rank`` naming the first."""
+    finders = [r for r, (leaked,) in enumerate(gather_rows([float(not layout.ok)], group)) if leaked]
+    if finders:
+        layout.ok, layout.leak_rank = False, global_rank(group, finders[0])
 
 
 def _logit_scale(logits: torch.Tensor) -> float:
@@ -342,7 +365,8 @@ def _as_step(target: Any, batch: Mapping[str, Any] | None, model: torch.nn.Modul
 
 def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, model: torch.nn.Module | None = None,
                         per_token: bool | None = None, grads: bool = True, per_layer: bool = True, train: bool = True,
-                        atol: float | None = None, grad_atol: float = 0.0, seed: int = 0) -> IsolationReport:
+                        atol: float | None = None, grad_atol: float = 0.0, seed: int = 0,
+                        group: Group | None = None) -> IsolationReport:
     """Check that a training step keeps the documents of its real packed batch apart.
 
     Args:
@@ -367,6 +391,10 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
             the largest logit for logits.
         grad_atol: tolerance on cross-document gradients (default exactly zero).
         seed: seeds the random weighting of each document's values in the gradient check.
+        group: the process group whose ranks check together (docs/api.md §7b); None: the model's own (a trainer's
+            ``model_wrapped``: FSDP2's mesh, FSDP1's or DDP's group; the world for DeepSpeed ZeRO-3), or none for
+            an unsharded model. Every rank then runs the step as many times as the rank with most documents
+            (replaying one of its own), and a leak on any rank fails the report on every rank (``leak_rank``).
 
     Returns:
         An :class:`~hybrid_pack.testing.IsolationReport` with one layout, the batch's documents. A step that
@@ -383,13 +411,16 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
     kept = _bookkeeping_kept(step) if is_trainer(step) else contextlib.nullcontext()
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with kept, torch.random.fork_rng(devices=cuda):      # drawing the first batch may consume random numbers
-        return _check(*_as_step(step, batch, model), per_token=per_token, grads=grads, per_layer=per_layer,
-                      train=train, atol=atol, grad_atol=grad_atol, seed=seed)
+        run, batch, model, name = _as_step(step, batch, model)
+        wrapped = getattr(step, "model_wrapped", None) if is_trainer(step) else None
+        group = model_group(wrapped if isinstance(wrapped, torch.nn.Module) else model, group)
+        return _check(run, batch, model, name, per_token=per_token, grads=grads, per_layer=per_layer,
+                      train=train, atol=atol, grad_atol=grad_atol, seed=seed, group=group)
 
 
 def _check(step: Step, batch: dict[str, Any], model: torch.nn.Module, name: str, *, per_token: bool | None,
            grads: bool, per_layer: bool, train: bool, atol: float | None, grad_atol: float,
-           seed: int) -> IsolationReport:
+           seed: int, group: Group | None) -> IsolationReport:
     ids = batch.get(INPUT_IDS, batch.get(INPUTS_EMBEDS))
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[0] != 1:
         raise InputError(f"batch: expected one packed row ({INPUT_IDS} [1, T]) with its boundary keys; got "
@@ -425,11 +456,15 @@ def _check(step: Step, batch: dict[str, Any], model: torch.nn.Module, name: str,
         probe = _Probe(step, model, batch, per_token, t_len, torch.Generator().manual_seed(seed))
         scale = _logit_scale(packed.values) if per_token and packed.quantity == "logits" else 1.0
         try:
-            for doc in docs:
-                _check_document(probe, doc, packed, scale, grads=grads)
+            runs = len(docs) if group is None else int(agree_max([len(docs)], group)[0])
+            for run in range(runs):     # past this rank's own documents: a replay, its figures dropped
+                doc = docs[run % len(docs)]
+                _check_document(probe, doc if run < len(docs) else copy.deepcopy(doc), packed, scale, grads=grads)
             layout.ok = all(d.result.alone_diff <= atol and (d.result.gradient_leak or 0.0) <= grad_atol for d in docs)
+            if group is not None:
+                _agree_on_layout(layout, group)
             if not layout.ok and per_layer:
-                _localise(probe, layout, docs, atol, grad_atol)
+                _localise(probe, layout, docs, atol, grad_atol, group)
         except Exception as err:
             report.error = f"{type(err).__name__}: {err}"
             layout.ok = False

@@ -29,9 +29,13 @@ class TrainConfig:
         compare_padded: also train the same examples, in the same order and groups, in padded batches.
         isolation_check: run the cross-contamination harness on the model first.
         checkpoint_every: optimizer steps between checkpoints (0 = only at the end).
-        resume: continue from ``out/checkpoint.pt``.
+        resume: continue from ``out/checkpoint.pt`` (``out/checkpoint/`` with ``fsdp``).
         guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
             micro-batch and every N-th after it against its documents run alone; 0 turns it off.
+        fsdp: under torchrun, shard the model with FSDP2 (every decoder block and the root) instead of DDP,
+            checkpoints with ``torch.distributed.checkpoint`` (:mod:`hybrid_pack.training.sharded`).
+        context_parallel: ranks that share each packed row under torchrun (docs/parallel.md); the others
+            are data-parallel replicas. Above 1 the guard is off (it checks whole rows).
         compile: ``torch.compile`` the model's forward and feed it static batches (docs/compile.md): every row
             ``capacity`` tokens and at most as many documents as the fullest pack of the plan, one graph.
     """
@@ -58,11 +62,13 @@ class TrainConfig:
     resume: bool = False
     guard_every: int = DEFAULT_GUARD_EVERY
     log_every: int = 1
+    fsdp: bool = False
+    context_parallel: int = 1
     progress: bool = True
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "epochs", "grad_accum"):
+        for name in ("capacity", "epochs", "grad_accum", "context_parallel"):
             if int(getattr(self, name)) < 1:
                 raise InputError(f"{name}: expected a positive int; got {getattr(self, name)}")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
@@ -73,6 +79,12 @@ class TrainConfig:
             raise InputError(f"max_examples: expected a positive int or None; got {self.max_examples}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise InputError(f"dtype: expected 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
+        if self.fsdp and self.context_parallel > 1:
+            raise InputError("fsdp: FSDP2 together with context_parallel > 1 is not supported yet (its gradient "
+                             "reduction would average over the context-parallel ranks); use one of the two")
+        if self.compile and self.context_parallel > 1:
+            raise InputError("compile: static batches together with context_parallel > 1 are not supported yet (a "
+                             "shard's boundaries are built on the host); use one of the two")
         if self.data != "gsm8k" and not Path(self.data).is_file():
             raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.schema import BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH
+from hybrid_pack.schema import BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.config import TrainConfig
 from hybrid_pack.training.schedule import warmup_cosine
@@ -36,9 +36,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
     return optimizer, scheduler
 
 
-def count_targets(labels: torch.Tensor) -> int:
-    """Next-token targets of a batch: labels after the shift that are not ``IGNORE_INDEX``."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+def count_targets(micro_batch: MicroBatch) -> int:
+    """Next-token targets of a micro-batch: labels after the shift (its ``shift_labels`` when it is a
+    context-parallel shard) that are not ``IGNORE_INDEX``."""
+    shifted = micro_batch.get(SHIFT_LABELS)
+    if shifted is not None:
+        return int((shifted != IGNORE_INDEX).sum())
+    return int((micro_batch[LABELS][..., 1:] != IGNORE_INDEX).sum())
 
 
 def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, total_steps: int, cfg: TrainConfig,
@@ -87,7 +91,7 @@ def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], opt
                     scheduler: Any, cfg: TrainConfig, device: torch.device, amp: AbstractContextManager[Any],
                     world: int, stats: RunStats) -> float:
     """Forward and backward every micro-batch, clip, step; return the step's loss (every rank's)."""
-    items = torch.tensor(sum(count_targets(mb[LABELS]) for mb in micro_batches), device=device)
+    items = torch.tensor(sum(count_targets(mb) for mb in micro_batches), device=device)
     if world > 1:
         dist.all_reduce(items)
     step_loss = 0.0

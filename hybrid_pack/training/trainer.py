@@ -17,13 +17,14 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
@@ -31,7 +32,18 @@ from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, NUM_PAD_TOKENS, POSITION_IDS, SEQ_IDX
+from hybrid_pack.parallel.mesh import CP, DP, context_parallel_mesh
+from hybrid_pack.parallel.shard import shard_batch
+from hybrid_pack.schema import (
+    BOUNDARIES,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    LABELS,
+    NUM_PAD_TOKENS,
+    POSITION_IDS,
+    SEQ_IDX,
+    SHIFT_LABELS,
+)
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.checkpoint import CHECKPOINT, CheckpointSaver, load_checkpoint
 from hybrid_pack.training.comparison import compare_padded
@@ -39,6 +51,13 @@ from hybrid_pack.training.config import TrainConfig
 from hybrid_pack.training.data import build_features, load_chats
 from hybrid_pack.training.loop import REAL_TOKENS, MicroBatch, build_optimizer, train_pass
 from hybrid_pack.training.plots import plot_loss, plot_pack_fill
+from hybrid_pack.training.sharded import (
+    SHARDED_CHECKPOINT,
+    ShardedCheckpointSaver,
+    load_sharded_checkpoint,
+    parameters_checksum,
+    shard_model,
+)
 from hybrid_pack.training.stats import RunStats
 
 __all__ = ["IsolationFailed", "build_model", "train"]
@@ -59,6 +78,19 @@ class _Process:
     autocast: torch.dtype | None
     out: Path
     owns_process_group: bool = False
+    mesh: DeviceMesh | None = None
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        """``(rank, size)`` among the data-parallel replicas (a context-parallel group is one replica)."""
+        if self.mesh is None:
+            return self.rank, self.world
+        return self.mesh.get_local_rank(DP), self.mesh.size(0)
+
+    @property
+    def cp_group(self) -> Any:
+        """The context-parallel process group (None without context parallelism)."""
+        return None if self.mesh is None else self.mesh.get_group(CP)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -88,12 +120,19 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     metrics = _run_metrics(cfg, proc, features)
     if cfg.isolation_check:
         _check_isolation_first(model, cfg, proc, metrics)
+    if cfg.fsdp:  # FSDP2's mixed-precision policy casts, not autocast
+        metrics["fsdp"] = shard_model(model, proc.device, proc.world)
+        metrics["dtype"] = metrics["fsdp"]["dtype"]
+        proc = replace(proc, autocast=None)
     lengths = [len(f[INPUT_IDS]) for f in features]
-    sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=proc.world, rank=proc.rank, seed=cfg.seed)
+    replica, replicas = proc.replica
+    sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=replicas, rank=replica, seed=cfg.seed)
     if cfg.compile:  # the static shape (SPEC §9): every row `capacity` tokens, the fullest pack's documents
         metrics.update(pack_length=cfg.capacity, max_documents=int(sampler.plan.pack_num_documents.max()))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
-    guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed).attach() if cfg.guard_every else None
+    guarded = cfg.guard_every and proc.mesh is None  # the guard checks whole rows, not context-parallel shards
+    guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed,
+                         group=dist.group.WORLD if proc.world > 1 else None).attach() if guarded else None
     try:
         stats = _train_packed(model, features, sampler, cfg, proc, guard, metrics.get("max_documents"))
     except IsolationError:
@@ -154,8 +193,9 @@ def _start(cfg: TrainConfig) -> _Process:
     out = cfg.out_dir
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    mesh = context_parallel_mesh(cfg.context_parallel, device.type)
     return _Process(rank=rank, world=world, device=device, autocast=autocast, out=out,
-                    owns_process_group=owns_process_group)
+                    owns_process_group=owns_process_group, mesh=mesh)
 
 
 def _load_features(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> list[dict[str, Any]]:
@@ -170,6 +210,7 @@ def _load_features(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> 
 def _run_metrics(cfg: TrainConfig, proc: _Process, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"model": cfg.model, "data": cfg.data, "examples": len(features), "device": proc.device.type,
             "dtype": str(proc.autocast or torch.float32).removeprefix("torch."), "world_size": proc.world,
+            "context_parallel": cfg.context_parallel,
             "capacity": cfg.capacity, "isolation_ok": None}
 
 
@@ -194,16 +235,21 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
     (its hooks, the guard's, stay outside the graph); ``stats.compiles`` counts the graphs compiled.
     """
     total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
-    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
+    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 and not cfg.fsdp else model
     optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
     start_step, stats = 0, RunStats()
-    if cfg.resume:
+    if cfg.resume and cfg.fsdp:
+        start_step, stats = load_sharded_checkpoint(proc.out / SHARDED_CHECKPOINT, model, optimizer, scheduler,
+                                                    sampler)
+    elif cfg.resume:
         start_step, stats = load_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, proc.device)
-    saver = CheckpointSaver(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, stats,
-                            every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
+    saver = (ShardedCheckpointSaver if cfg.fsdp else CheckpointSaver)(
+        proc.out / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT), model, optimizer, scheduler, sampler, stats,
+        every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
     collator = (PackingCollator(pack_length=cfg.capacity, max_documents=max_documents) if max_documents
-                else PackingCollator())
-    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator)
+                else PackingCollator(pad_to_multiple_of=cfg.context_parallel))
+    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator, proc.cp_group,
+                         cfg.context_parallel)
     graphs_before = counters["stats"]["unique_graphs"]
     if max_documents:
         model.forward = torch.compile(model.forward)
@@ -229,7 +275,7 @@ def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatc
         tokens_per_second = float(tokens / seconds) if float(seconds) > 0 else 0.0
     fills = _pack_fills(stats, lengths, cfg.capacity)
     return {
-        "parameters_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "parameters_checksum": parameters_checksum(model),
         "steps": len(stats.losses), "packs": len(stats.groups), "real_tokens": stats.real_tokens,
         "tokens_per_second": tokens_per_second, "packing_efficiency": sampler.plan.efficiency,
         "packs_lower_bound": sampler.plan.lower_bound, "packs_per_epoch": sampler.num_packs,
@@ -257,18 +303,25 @@ def _write_metrics(proc: _Process, metrics: dict[str, Any], guard: PackingGuard 
         metrics["guard"] = guard.to_dict()
         if metrics.get("seconds"):
             metrics["guard"]["share_of_training_time"] = metrics["guard"]["seconds"] / metrics["seconds"]
+        if proc.world > 1:  # every rank's checks (their verdicts agree; their documents and times differ)
+            ranks: list[Any] = [None] * proc.world
+            dist.all_gather_object(ranks, metrics["guard"])
+            metrics["guard"]["ranks"] = ranks
     if proc.rank == 0:
         (proc.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
 
 
 class _PackedSteps:
     """Optimizer steps of packed micro-batches drawn from the sampler (what a ``DataLoader`` with
-    ``batch_sampler=sampler`` and no workers yields), recording each micro-batch's example indices."""
+    ``batch_sampler=sampler`` and no workers yields), recording each micro-batch's example indices. With
+    context parallelism each row is padded to a multiple of the group's size and this rank gets its shard."""
 
     def __init__(self, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler, grad_accum: int,
-                 epochs: int, groups: list[list[int]], collator: PackingCollator) -> None:
+                 epochs: int, groups: list[list[int]], collator: PackingCollator, cp_group: Any = None,
+                 context_parallel: int = 1) -> None:
         self.features, self.sampler, self.grad_accum, self.epochs, self.groups, self.collator = (
             features, sampler, grad_accum, epochs, groups, collator)
+        self.cp_group, self.context_parallel = cp_group, context_parallel
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
         collator = self.collator
@@ -278,13 +331,22 @@ class _PackedSteps:
             for indices in self.sampler:
                 self.groups.append(list(indices))
                 batch = collator([self.features[i] for i in indices])
-                # A static batch keeps its boundary tensors (a compiled graph reads no host values).
-                boundaries = ({key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS)}
-                              if collator.max_documents else {BOUNDARIES: PackedBoundaries.from_batch(batch)})
-                micro.append({INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], **boundaries,
-                              REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch.get(NUM_PAD_TOKENS, 0))})
+                micro.append(self._micro_batch(batch))
                 if len(micro) == self.grad_accum:
                     yield micro
                     micro = []
             if micro:
                 yield micro
+
+    def _micro_batch(self, batch: dict[str, Any]) -> MicroBatch:
+        if self.collator.max_documents:  # static: the boundary tensors (a compiled graph reads no host values)
+            return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
+                    **{key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS)},
+                    REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch[NUM_PAD_TOKENS])}
+        if self.context_parallel == 1:
+            return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], BOUNDARIES: PackedBoundaries.from_batch(batch),
+                    REAL_TOKENS: batch[INPUT_IDS].shape[1] - batch.get(NUM_PAD_TOKENS, 0)}
+        shard = shard_batch(batch, self.cp_group)
+        boundaries = shard[BOUNDARIES]
+        return {INPUT_IDS: shard[INPUT_IDS], LABELS: shard[LABELS], SHIFT_LABELS: shard[SHIFT_LABELS],
+                BOUNDARIES: boundaries, REAL_TOKENS: boundaries.total_tokens - boundaries.num_pad_tokens}

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from hybrid_pack.packing import PackedBatchSampler
+from tests.workers.launch import torchrun as _torchrun
 
-WORKER = Path(__file__).parents[1] / "workers" / "dist_sampler.py"
-TRAINER_WORKER = Path(__file__).parents[1] / "workers" / "hf_trainer.py"
-
-
-def _torchrun(script: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(script), *args]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+WORKER = "dist_sampler.py"
+TRAINER_WORKER = "hf_trainer.py"
+TRAINER_FSDP_WORKER = "hf_trainer_fsdp.py"
 
 
 @pytest.mark.distributed
@@ -69,3 +60,15 @@ def test_two_process_hf_trainer_gets_each_ranks_steps_and_resumes_exactly(tmp_pa
         assert full[rank]["seen"] == expected
         resumed = json.loads(Path(f"{out}.resumed.rank{rank}.json").read_text())
         assert resumed["seen"] == expected[checkpoint:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_packed_trainer_asked_for_fsdp_on_cpu_says_accelerate_does_not_shard_there(tmp_path):
+    """accelerate shards only on accelerators; on CPU the Trainer would silently train with DDP instead."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "fsdp"
+    _torchrun(TRAINER_FSDP_WORKER, str(out))
+    for rank in range(2):
+        error = json.loads(Path(f"{out}.rank{rank}.json").read_text())["error"]
+        assert error is not None and error.startswith("fsdp: asked for, but accelerate did not shard"), error

@@ -96,6 +96,8 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--epochs", "x"])
     assert info.value.code == 2
+    assert main(["train", "--out", str(tmp_path), "--fsdp", "--max-examples", "4", "--no-progress"]) == 2
+    assert "torchrun" in capsys.readouterr().err
 
 
 def test_user_jsonl_chats_are_what_trains(tmp_path):

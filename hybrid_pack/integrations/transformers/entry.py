@@ -172,7 +172,7 @@ def _packed_call(module: torch.nn.Module, signature: _Signature, args: tuple[Any
         return None
     kwargs = {key: value for key, value in kwargs.items() if key not in (*BOUNDARY_KEYS, BOUNDARIES, ATTENTION_MASK)}
     if signature.takes_position_ids and POSITION_IDS not in given_positionally:
-        kwargs[POSITION_IDS] = boundaries.position_ids
+        kwargs[POSITION_IDS] = boundaries.document_positions
     if signature.takes_use_cache and USE_CACHE not in given_positionally:
         kwargs[USE_CACHE] = False
     for inner in module.modules():

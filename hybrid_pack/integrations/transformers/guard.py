@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
@@ -29,16 +30,19 @@ class PackingGuardCallback(TrainerCallback):
     """Attach a :class:`~hybrid_pack.testing.PackingGuard` to the trained model for the length of ``train()``.
 
     Args:
-        every, documents, action, atol, localize, seed: as for :class:`~hybrid_pack.testing.PackingGuard`.
+        every, documents, action, atol, localize, seed, group: as for :class:`~hybrid_pack.testing.PackingGuard`;
+            ``group=None`` in a run of several processes is the world (a ``Trainer`` runs its step on every
+            process), so a leak found on one rank stops every rank (docs/api.md §7b).
 
     Attributes:
         guard: the guard of the current (or last) ``train()`` call; its ``records`` hold every check.
     """
 
     def __init__(self, *, every: int = 100, documents: int = 3, action: str = "raise", atol: float | None = None,
-                 localize: bool = False, seed: int = 0) -> None:
+                 localize: bool = False, seed: int = 0, group: Any = None) -> None:
         self.settings = {"every": every, "documents": documents, "action": action, "atol": atol,
                          "localize": localize, "seed": seed}
+        self.group = group
         PackingGuard(nn.Module(), **self.settings)  # bad settings fail here, not when training starts
         self.guard: PackingGuard | None = None
         self._logged = 0
@@ -49,7 +53,8 @@ class PackingGuardCallback(TrainerCallback):
             raise InputError("model: the Trainer passed no model to PackingGuardCallback.on_train_begin")
         if self.guard is not None:
             self.guard.detach()     # a train() that stopped on a leak left its guard attached
-        self.guard = PackingGuard(model, **self.settings).attach()
+        group = self.group if self.group is not None or args.world_size == 1 else dist.group.WORLD
+        self.guard = PackingGuard(model, **self.settings, group=group).attach()
         self._logged = 0
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

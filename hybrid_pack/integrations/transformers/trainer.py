@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
+from hybrid_pack.errors import InputError
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q
 
@@ -86,6 +87,12 @@ class PackedTrainer(PackedBatches, Trainer):
     def __init__(self, *args: Any, lengths: Sequence[int] | np.ndarray, capacity: int,
                  collator: PackingCollator | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            raise InputError(
+                f"fsdp: asked for, but accelerate did not shard the model (distributed type "
+                f"{self.accelerator.distributed_type}): accelerate uses its FSDP plugin only on accelerators (CUDA, "
+                "NPU, XPU, ...), and on CPU the Trainer would train with DDP instead; drop fsdp= on CPU, or run on "
+                "GPUs (docs/distributed.md, 'Sharded training')")
         sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
                                      seed=self.args.seed)
         if collator is None and self.args.torch_compile:

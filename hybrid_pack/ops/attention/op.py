@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.attention import cp
 from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -22,7 +26,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: ``[1, T, H, D]``.
         k, v: ``[1, T, Hkv, D]`` with ``H % Hkv == 0`` (grouped-query attention).
-        boundaries: where the documents of the row start.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            (this rank's part of a row split across a context-parallel group) runs the context-parallel
+            path and returns this rank's slice of the whole row's result (docs/parallel.md).
         causal: mask future tokens.
         softmax_scale: defaults to ``D ** -0.5``.
         backend: force a backend (see :mod:`hybrid_pack.backends`).
@@ -41,6 +47,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if isinstance(boundaries, StaticBoundaries):
         return STATIC_OP(q, k, v, cu_seqlens=boundaries.cu_seqlens, backend=backend, requires_grad=needs_grad(q, k, v),
                          causal=causal, softmax_scale=scale)[0]
+    if isinstance(boundaries, ShardedBoundaries):
+        boundaries.check_group()
+        return cp.varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=scale, local=functools.partial(
+            varlen_attention, causal=causal, softmax_scale=scale, backend=backend))
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype, requires_grad=needs_grad(q, k, v),
                    inputs={"q": q, "k": k, "v": v, "causal": causal}, signature=signature_of(q, k, v, causal))
     return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)

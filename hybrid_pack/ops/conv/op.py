@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.conv import cp
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -22,7 +26,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x: ``[1, T, D]``.
         weight: ``[D, W]``.
         bias: ``[D]`` or None.
-        boundaries: where the documents of the row start.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            (this rank's part of a row split across a context-parallel group) runs the context-parallel
+            path and returns this rank's slice of the whole row's result (docs/parallel.md).
         activation: None or ``"silu"`` (``"swish"`` is the same).
         backend: force a backend (see :mod:`hybrid_pack.backends`).
 
@@ -39,6 +45,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if isinstance(boundaries, StaticBoundaries):
         return STATIC_OP(x, weight, bias, cu_seqlens=boundaries.cu_seqlens, backend=backend,
                          requires_grad=needs_grad(x, weight, bias), activation=activation)[0]
+    if isinstance(boundaries, ShardedBoundaries):
+        boundaries.check_group()
+        return cp.causal_conv1d(x, weight, bias, boundaries, local=functools.partial(
+            causal_conv1d, activation=activation, backend=backend))
     impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=needs_grad(x, weight, bias),
                    inputs={"x": x, "weight": weight, "bias": bias, "activation": activation},
                    signature=signature_of(x, weight, bias, activation))

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch import agreement, verdicts
 from hybrid_pack.ops.dispatch.backend import KERNEL_DTYPES, Backend
 from hybrid_pack.ops.dispatch.contract import OpContract
-from hybrid_pack.ops.dispatch.verdicts import forget
 
 __all__ = ["register_op", "registered_ops", "contract_of", "register", "unregister", "backends_of", "get_backend",
            "reference_of"]
@@ -83,7 +83,7 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
         unregister(backend.op, backend.name)
     _BACKENDS[backend.op].append(backend)
     _BACKENDS[backend.op].sort(key=lambda b: -b.priority)
-    forget(backend.op, backend.name)
+    _forget(backend.op, backend.name)
     return backend
 
 
@@ -91,8 +91,14 @@ def unregister(op: str, name: str) -> Backend:
     """Remove a backend (and forget its check results); returns it."""
     backend = get_backend(op, name)
     _BACKENDS[op].remove(backend)
-    forget(op, name)
+    _forget(op, name)
     return backend
+
+
+def _forget(op: str, name: str) -> None:
+    """Drop a backend's check results, its own and those agreed across ranks."""
+    verdicts.forget(op, name)
+    agreement.forget(op, name)
 
 
 def backends_of(op: str) -> list[Backend]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import BackendUnavailableError, InputError
-from hybrid_pack.ops.dispatch import verdicts
+from hybrid_pack.ops.dispatch import agreement, verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_backend, reference_of, registered_ops
@@ -185,17 +185,24 @@ def check_now(backend: Backend, signature: Signature, device: torch.device, requ
 
 def verdict_for(backend: Backend, signature: Signature, device: torch.device,
                 requires_grad: bool) -> CheckResult | None:
-    """The check result of ``backend`` for this key, checking now if there is none (None inside a trace)."""
+    """The check result of ``backend`` for this key, checking now if there is none (None inside a trace).
+
+    Under ``torch.distributed`` it is the result every rank agreed on (:mod:`.agreement`): a collective the first
+    time the key is asked for (none inside :func:`~.agreement.rank_local`).
+    """
     key = _key(backend, signature, device, requires_grad)
+    settled = agreement.agreed(key)
+    if settled is not None:
+        return settled
     known = verdicts.recall(key)
     if known is None and not requires_grad:
         with_grad = verdicts.recall(_key(backend, signature, device, True))
         known = with_grad if with_grad is not None and with_grad.ok else None
-    if known is not None:
-        return known
-    if _tracing():
-        return None
-    return check_now(backend, signature, device, requires_grad)
+    if known is None:
+        if _tracing():
+            return None
+        known = check_now(backend, signature, device, requires_grad)
+    return known if _tracing() else agreement.agree(key, known)     # no collective inside a graph capture
 
 
 def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requires_grad: bool,

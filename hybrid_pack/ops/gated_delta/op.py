@@ -9,8 +9,10 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
+from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -27,7 +29,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         v: ``[1, T, HV, V]`` with ``HV % H == 0`` (each q/k head serves ``HV // H`` value heads).
         g: ``[1, T, HV]``, log decay (<= 0).
         beta: ``[1, T, HV]``, write strength.
-        boundaries: where the documents of the row start.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            runs this rank's slice of a row split across a context-parallel group (see
+            :func:`~hybrid_pack.ops.gated_delta.cp.gated_delta_rule_cp` for what ``initial_state`` and the
+            final states then mean).
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` for the ``N = boundaries.num_docs`` documents (the padding
             segment, if any, starts from zero); with :class:`StaticBoundaries`, one per segment slot
@@ -58,6 +63,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                         requires_grad=needs_grad(q, k, v, g, beta, initial_state), scale=scale,
                         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
         return out[0], out[1] if output_final_state else None
+    if isinstance(boundaries, ShardedBoundaries):
+        return gated_delta_rule_cp(gated_delta_rule, q, k, v, g, beta, boundaries, scale=scale,
+                                   initial_state=initial_state, output_final_state=output_final_state,
+                                   use_qk_l2norm=use_qk_l2norm, backend=backend)
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype,
                    requires_grad=needs_grad(q, k, v, g, beta, initial_state),
                    inputs={"q": q, "k": k, "v": v, "g": g, "beta": beta},

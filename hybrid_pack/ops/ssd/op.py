@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -10,7 +12,9 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
+from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -29,7 +33,9 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         dt: ``[1, T, H]``.
         A: ``[H]`` (negative).
         B, C: ``[1, T, G, N]`` with ``H % G == 0``.
-        boundaries: where the documents of the row start.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            runs this rank's slice of a row split across a context-parallel group (see
+            :func:`~hybrid_pack.ops.ssd.cp.mamba2_ssd_cp` for what the initial and final states then mean).
         D: ``[H]`` or ``[H, P]`` skip connection.
         z: ``[1, T, H, P]`` gate.
         dt_bias: ``[H]``.
@@ -60,6 +66,10 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     check_shape("initial_states", initial_states, (boundaries.num_segments if static else boundaries.num_docs, h, p, n))
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
+    if isinstance(boundaries, ShardedBoundaries):
+        return mamba2_ssd_cp(functools.partial(mamba2_ssd, backend=backend), x, dt, A, B, C, boundaries, D=D, z=z,
+                             dt_bias=dt_bias, dt_softplus=dt_softplus, chunk_size=chunk_size,
+                             initial_states=initial_states, return_final_states=return_final_states)
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
     if static:
         out = STATIC_OP(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens=boundaries.cu_seqlens,

@@ -31,7 +31,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
     """``dt + dt_bias``, then softplus, then clamped at 0 (mamba-ssm's default ``dt_limit=(0, inf)``)."""
     if dt_bias is not None:
         dt = dt + dt_bias
@@ -90,7 +90,7 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     rows, size = layout.num_rows, layout.chunk_size
 
     x_f = x[0].to(cdtype)
-    dt_f = _discretize_dt(dt[0].to(cdtype), None if dt_bias is None else dt_bias.to(cdtype), dt_softplus)
+    dt_f = discretize_dt(dt[0].to(cdtype), None if dt_bias is None else dt_bias.to(cdtype), dt_softplus)
 
     # Chunk rows, head-major: [M, G, r, C, ...] with r = heads per group.
     xc = layout.to_chunks(x_f).permute(0, 2, 1, 3)                      # [M, H, C, P]

@@ -1,0 +1,52 @@
+"""Small collectives over a ``torch.distributed`` process group, for decisions every rank must share.
+
+Used by every layer that must decide the same on every rank: the backends' self-check verdicts
+(``ops/dispatch/agreement.py``) and the guard's run counts and verdicts (``testing/guard.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Group", "agree_max", "distributed", "gather_rows", "share_objects"]
+
+Group = Any
+"""A ``torch.distributed.ProcessGroup`` (``dist.group.WORLD`` included)."""
+
+
+def distributed() -> bool:
+    """Whether a process group of more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _device(group: Group | None) -> torch.device:
+    """Where the group's collectives take tensors (NCCL: the current CUDA device)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_max(values: Sequence[float], group: Group | None = None) -> list[float]:
+    """Each value's maximum over the ranks of ``group`` (None: the world), in one ``all_reduce``."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def gather_rows(values: Sequence[float], group: Group | None = None) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on each), in group rank order, in one ``all_gather``."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device(group))
+    rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, tensor, group=group)
+    return [row.tolist() for row in rows]
+
+
+def share_objects(value: Any, group: Group | None = None) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), in group rank order."""
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values

@@ -1,0 +1,109 @@
+"""The gated delta rule on one rank's slice of a row split across a context-parallel group (docs/api.md §10).
+
+Over one segment the state goes through an affine map, ``S_out = M S_in + S0``, with
+``M = prod_t exp(g_t) (I - beta_t k_t k_t^T)`` (``[HV, K, K]``) and ``S0`` the segment's final state
+from zero. Both come from the local op itself, in the same pass as the outputs: the value columns are
+widened by ``K`` columns of zeros and the first segment's state starts as ``[0 | I]``. Value columns
+are independent under the delta rule, so the extra columns carry ``P_t I = P_t`` (the map from the
+segment's start to token ``t``): their final state is ``M``, and their output at token ``t`` is
+``u_t = scale P_t^T q_t``, so the first segment's output given an incoming state is
+``o_t + S_in^T u_t``, a product per token, no second pass. Any backend of the op serves.
+
+Each rank then all-gathers ``(S0 of its last segment, M of its first)`` and folds what precedes it
+(:mod:`hybrid_pack.parallel.state_passing`). Exchanged per rank: ``world_size * HV * K * (V + K)``
+numbers, whatever the row length.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves, gated_delta_rule_fla_cp
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.parallel.state_passing import (
+    check_group,
+    fold,
+    gather_summaries,
+    segment_initial_states,
+    segments_as_documents,
+    state_chain,
+    tie,
+)
+
+__all__ = ["gated_delta_rule_cp"]
+
+
+def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        boundaries: ShardedBoundaries, *, scale: float, initial_state: torch.Tensor | None,
+                        output_final_state: bool, use_qk_l2norm: bool, backend: str | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's part of :func:`hybrid_pack.ops.gated_delta_rule` on the whole row.
+
+    flash-linear-attention's own context parallelism (:mod:`.kernel_fla_cp`) serves when ``backend`` is
+    None or ``"fla_cp"`` and it can take the call and passed its collective self-check; otherwise the
+    pure-torch exchange below runs around the single-device op with ``backend``.
+
+    Args:
+        op: the public single-device op (called with plain boundaries and ``backend``).
+        q, k: ``[1, T_local, H, K]``; v ``[1, T_local, HV, V]``; g, beta ``[1, T_local, HV]``.
+        boundaries: this rank's :class:`ShardedBoundaries`.
+        initial_state: ``[N_local, HV, K, V]`` for the local documents. A document's initial state belongs
+            to the rank where it starts: the entry of a first document continuing from the previous rank
+            is not used (its gradient is zero).
+        output_final_state: also return ``[N_local, HV, K, V]``: each local document's state after its
+            last token on this rank, which is its final state when it ends here and the state handed to
+            the next rank when it continues there.
+
+    Returns:
+        ``(o [1, T_local, HV, V], final states or None)``, as the op on the whole row restricted to this
+        rank (float64 inputs: equal to 1e-10).
+    """
+    check_group(boundaries)
+    if fla_cp_serves(backend, functools.partial(op, backend="torch"), q, k, v, g, beta, boundaries,
+                     initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm):
+        return gated_delta_rule_fla_cp(q, k, v, g, beta, boundaries, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    local_op = functools.partial(op, backend=backend)
+    chain = state_chain(boundaries)
+    if not chain.exchanges:
+        return local_op(q, k, v, g, beta, boundaries.local(), scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+
+    num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
+    state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    continues = bool(chain.sources)
+    segments = segments_as_documents(boundaries)
+    starts = segment_initial_states(initial_state, boundaries, continues, state_dtype)
+    if continues:
+        # Widen the values by K zero columns whose state starts as the identity in the first segment.
+        v = torch.cat([v, v.new_zeros(*v.shape[:3], k_dim)], dim=-1)
+        identity = torch.zeros(boundaries.num_segments, num_v_heads, k_dim, k_dim, dtype=state_dtype, device=v.device)
+        identity[0] = torch.eye(k_dim, dtype=state_dtype, device=v.device)
+        zeros = identity.new_zeros(boundaries.num_segments, num_v_heads, k_dim, v_dim)
+        starts = torch.cat([zeros if starts is None else starts, identity], dim=-1)
+    o, finals = local_op(q, k, v, g, beta, segments, scale=scale, initial_state=starts, output_final_state=True,
+                         use_qk_l2norm=use_qk_l2norm)
+    if continues:
+        (o, u), (finals, maps) = o.split([v_dim, k_dim], dim=-1), finals.split([v_dim, k_dim], dim=-1)
+        transition = maps[0]                                              # [HV, K, K]
+    else:
+        transition = finals.new_zeros(num_v_heads, k_dim, k_dim)
+
+    summaries = gather_summaries(torch.cat([finals[-1].flatten(), transition.flatten()]), boundaries)
+    state_size = num_v_heads * k_dim * v_dim
+
+    def unpack(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        last, m = row.split([state_size, row.numel() - state_size])
+        return last.view(num_v_heads, k_dim, v_dim), m.view(num_v_heads, k_dim, k_dim)
+
+    incoming = fold(chain, summaries, unpack, torch.matmul)               # [HV, K, V] or None
+    if incoming is not None:
+        first = boundaries.segment_lengths[0]
+        correction = torch.einsum("thk,hkv->thv", u[0, :first].to(state_dtype), incoming).to(o.dtype)
+        o = torch.cat([o[:, :first] + correction, o[:, first:]], dim=1)
+        finals = torch.cat([finals[:1] + transition @ incoming, finals[1:]])
+    o = tie(o, summaries)
+    return o, finals[: boundaries.num_docs] if output_final_state else None

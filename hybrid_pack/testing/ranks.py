@@ -1,0 +1,54 @@
+"""Checks of a sharded model agree across its process group (docs/api.md §7b).
+
+When a model's forward is a collective (FSDP2, FSDP1, DeepSpeed ZeRO-3), every rank must run the same
+sequence of forwards, whatever documents its own packed row holds; and a verdict reached on one rank must
+be reached on all, or the others wait forever at the next collective. :func:`model_group` finds the group
+a model's forwards run on; the guard agrees on it with :mod:`hybrid_pack.distributed`'s collectives.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from hybrid_pack.distributed import Group
+
+__all__ = ["global_rank", "model_group"]
+
+
+def model_group(model: nn.Module, group: Group | None = None) -> Group | None:
+    """The process group whose ranks must run ``model``'s checks together, or None (each rank checks alone).
+
+    ``group`` when given; else, once a process group is initialised: an FSDP2 module's mesh (the world for a
+    mesh of several dimensions), an FSDP1 module's or a ``DistributedDataParallel`` wrapper's process group (a
+    DDP forward is local, but a rank raising alone leaves the others waiting in the backward), the world for
+    DeepSpeed ZeRO-3 parameters (``ds_id``); None for an unsharded model or a group of one rank.
+    """
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = _sharding_group(model)
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def _sharding_group(model: nn.Module) -> Group | None:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.process_group
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            if groups:
+                mesh = groups[0].mesh_info.mesh
+                return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+        if isinstance(module, FullyShardedDataParallel):
+            return module.process_group
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return dist.group.WORLD
+    return None
+
+
+def global_rank(group: Group, group_rank: int) -> int:
+    """The world rank of ``group``'s rank ``group_rank`` (what ``RANK`` says in that process)."""
+    return dist.get_global_rank(group, group_rank)

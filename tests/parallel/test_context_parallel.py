@@ -1,0 +1,192 @@
+"""Context parallelism (docs/parallel.md): a row split across 2 and 4 gloo processes equals the row on one.
+
+Each torchrun launch runs a group of cases (tests/workers/dist_context_parallel.py) and reports one
+verdict per case; the tests below read them. ``ops``: conv and attention outputs and every input's
+gradient on adversarial layouts, and exactly zero gradient across documents. ``models``: an attention
+model's logits slice, summed loss and summed gradients. ``presets``: the same for both native presets
+(they need every op's context-parallel path, Gated DeltaNet and SSD included). ``errors``: bad input.
+The in-process tests check the exchange plans and the label shift on the host.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
+from hybrid_pack.errors import InputError
+from hybrid_pack.parallel import ShardedBoundaries, shard_batch
+from hybrid_pack.parallel.exchange import halo_plan
+from hybrid_pack.schema import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from tests.workers import dist_context_parallel as worker
+from tests.workers.launch import torchrun
+
+WORKER = Path(worker.__file__)
+WORLDS = (2, 4)
+
+
+def _verdicts(tmp_path_factory: pytest.TempPathFactory, world: int, groups: tuple[str, ...]) -> dict[str, str]:
+    out = tmp_path_factory.mktemp(f"cp{world}") / "verdicts.json"
+    torchrun(WORKER, str(out), *groups, processes=world)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"{world}ranks")
+def verdicts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _verdicts(tmp_path_factory, request.param, ("ops", "models", "errors"))
+
+
+@pytest.fixture(scope="module")
+def preset_verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _verdicts(tmp_path_factory, 2, ("presets",))
+
+
+def _cases(group: str) -> list[str]:
+    return list(worker.cases(2)[group])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", _cases("ops") + _cases("models") + _cases("errors"))
+def test_sharded_equals_unsharded(verdicts, case):
+    assert verdicts[case] == "ok", verdicts[case]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", _cases("presets"))
+def test_presets_sharded_equal_unsharded(preset_verdicts, case):
+    assert preset_verdicts[case] == "ok", preset_verdicts[case]
+
+
+# ---------------------------------------------------------------- on the host
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("limit", [3, None])
+def test_halo_plans_agree_between_senders_and_receivers(world, limit):
+    row = PackedBoundaries.from_document_lengths([1, 2, 6 * world - 10, 1, 1, 3], num_pad_tokens=2)
+    shards = [ShardedBoundaries.from_row(row, group=None, rank=r, world_size=world) for r in range(world)]
+    plans = [halo_plan(shard, limit) for shard in shards]
+    for receiver, (shard, plan) in enumerate(zip(shards, plans)):
+        need = shard.first_position if limit is None else min(limit, shard.first_position)
+        assert plan.halo_tokens == need
+        for sender, count in plan.receives:
+            sent = [stop - start for peer, start, stop in plans[sender].sends if peer == receiver]
+            assert sent == [count]
+    sends = sum(len(plan.sends) for plan in plans)
+    assert sends == sum(len(plan.receives) for plan in plans)
+
+
+def test_one_process_shard_is_the_row_and_its_loss_is_the_row_loss():
+    collator = PackingCollator(pack_length=20)
+    batch = collator([{"input_ids": list(range(3, 3 + n))} for n in (4, 1, 9)])
+    shard = shard_batch(batch)
+    assert torch.equal(shard["input_ids"], batch["input_ids"])
+    assert isinstance(shard["boundaries"], ShardedBoundaries) and shard["boundaries"].world_size == 1
+    logits = torch.randn(1, 20, 16, dtype=torch.float64)
+    row = PackedBoundaries.from_batch(batch)
+    expected = packed_loss(logits, batch["labels"], boundaries=row)
+    got = packed_loss(logits, shard[SHIFT_LABELS], boundaries=shard["boundaries"], shifted=True,
+                      num_items_in_batch=shard[NUM_ITEMS_IN_BATCH])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_shift_labels_cross_rank_edges_and_stop_at_documents():
+    batch = PackingCollator(pack_length=8)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10, 11]}])
+    row = PackedBoundaries.from_batch(batch)
+    shards = [ShardedBoundaries.from_row(row, group=None, rank=r, world_size=2) for r in range(2)]
+    assert [s.first_position for s in shards] == [0, 1]
+    assert shards[1].document_positions.tolist() == [[1, 2, 3, 0]]
+    from hybrid_pack.loss import shift_labels
+    assert shift_labels(batch["labels"], row).tolist() == [[6, 7, -100, 9, 10, 11, -100, -100]]
+
+
+@pytest.mark.parametrize("layout", ["zigzag"])
+def test_unknown_layout_is_refused(layout):
+    batch = PackingCollator()([{"input_ids": [1, 2]}])
+    with pytest.raises(InputError, match="^layout"):
+        shard_batch(batch, layout=layout)
+
+
+def test_halo_plan_is_flat_in_row_length_for_the_conv():
+    for total in (64, 4096):
+        row = PackedBoundaries.from_document_lengths([total])
+        plan = halo_plan(ShardedBoundaries.from_row(row, group=None, rank=3, world_size=4), 3)
+        assert plan.halo_tokens == 3 and np.sum([c for _, c in plan.receives]) == 3
+
+
+TRAIN_SETTINGS = {"max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32", "guard_every": 0}
+
+
+def _train_under_torchrun(out: Path, nproc: int, *options: str) -> dict:
+    import hybrid_pack.cli
+
+    torchrun(Path(hybrid_pack.cli.__file__), "train", "--out", str(out), "--no-progress", *options,
+             *[f"--{key.replace('_', '-')}={value}" for key, value in TRAIN_SETTINGS.items()], processes=nproc)
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture
+def lfm2_directory(tmp_path: Path) -> Path:
+    """A tiny Hugging Face LFM2 (short conv + attention: every op it runs has its context-parallel path)."""
+    pytest.importorskip("transformers")
+    from hybrid_pack.integrations.transformers.tiny import tiny_config
+
+    tiny_config("lfm2").save_pretrained(tmp_path / "lfm2")
+    return tmp_path / "lfm2"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_with_context_parallel_2_equals_one_process(tmp_path, lfm2_directory):
+    """`hybrid-pack train --context-parallel 2` on 2 ranks (one replica) takes the steps one process takes."""
+    from hybrid_pack.training import TrainConfig, train
+
+    one = train(TrainConfig(model=str(lfm2_directory), out=str(tmp_path / "one"), progress=False, **TRAIN_SETTINGS))
+    sharded = _train_under_torchrun(tmp_path / "cp", 2, "--model", str(lfm2_directory), "--context-parallel", "2")
+    assert sharded["world_size"] == 2 and sharded["context_parallel"] == 2
+    assert sharded["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert sharded["parameters_checksum"] == pytest.approx(one["parameters_checksum"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_two_replicas_of_two_context_parallel_ranks_equals_two_data_parallel_ranks(tmp_path, lfm2_directory):
+    """4 ranks as a ("dp", "cp") = (2, 2) mesh draw the rows 2 data-parallel ranks draw and take the same steps."""
+    model = ("--model", str(lfm2_directory))
+    data_parallel = _train_under_torchrun(tmp_path / "dp", 2, *model)
+    mesh = _train_under_torchrun(tmp_path / "mesh", 4, *model, "--context-parallel", "2")
+    assert mesh["world_size"] == 4 and mesh["context_parallel"] == 2
+    assert mesh["losses"] == pytest.approx(data_parallel["losses"], rel=1e-5)
+    assert mesh["parameters_checksum"] == pytest.approx(data_parallel["parameters_checksum"], rel=1e-5)
+
+
+def test_guard_refuses_a_sharded_call():
+    from hybrid_pack.modeling import HybridConfig, HybridForCausalLM
+    from hybrid_pack.testing import PackingGuard
+
+    model = HybridForCausalLM(HybridConfig(layer_pattern="A", vocab_size=32))
+    batch = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    with PackingGuard(model, every=1), pytest.raises(InputError, match="^boundaries: .*context-parallel"):
+        model(**shard_batch(batch))
+
+
+def test_context_parallel_size_must_divide_the_world():
+    from hybrid_pack.parallel.mesh import context_parallel_mesh
+
+    assert context_parallel_mesh(1, "cpu") is None
+    with pytest.raises(InputError, match="^context_parallel: 2 does not divide the 1 processes"):
+        context_parallel_mesh(2, "cpu")
+    with pytest.raises(InputError, match="^context_parallel: expected a positive int"):
+        context_parallel_mesh(0, "cpu")
+
+
+def test_bidirectional_attention_on_a_shard_is_refused():
+    from hybrid_pack.ops import varlen_attention
+
+    row = PackedBoundaries.from_document_lengths([3, 5])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=1)
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(InputError, match="^causal: context-parallel attention is causal only"):
+        varlen_attention(q, q, q, shard, causal=False)

@@ -1,0 +1,247 @@
+"""One rank of the context-parallel proofs in tests/parallel/test_context_parallel.py (launched by torchrun, gloo).
+
+Every case runs the same row unsharded on every rank and split across the group, and compares rank r's
+share, gathered over the group, with the unsharded result: op outputs and input gradients, model logits,
+summed losses and summed parameter gradients; cross-document gradients must be exactly zero; bad input
+must raise :class:`InputError` naming its field. Each case's verdict ("ok" or the failure) is gathered,
+and rank 0 writes ``{case: verdict}`` as JSON to ``sys.argv[1]``. ``sys.argv[2:]`` names the case groups
+to run (``ops``, ``models``, ``presets``, ``errors``; default all).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybrid_pack import PackedBoundaries, PackingCollator
+from hybrid_pack.errors import InputError
+from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
+from hybrid_pack.parallel import ShardedBoundaries, shard_batch
+from hybrid_pack.testing import PackingGuard
+from hybrid_pack.testing.layouts import Layout
+from tests.kit import assert_close, attention_signature, conv_signature, op_inputs, projection, public_op, run
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+PER_RANK = 6
+
+
+def op_layouts(world: int) -> list[Layout]:
+    """Rows of ``world * PER_RANK`` tokens (and one of ``world * 2``) that stress every rank edge."""
+    n, total = PER_RANK, world * PER_RANK
+    return [
+        Layout("document_across_every_rank", (2, total - 4, 2)),
+        Layout("documents_end_on_rank_edges", (n,) * world),
+        Layout("one_token_documents_at_every_edge", (1, n - 2, 1) * world),
+        Layout("last_rank_only_padding", (3, total - n - 5), num_pad_tokens=n + 2),
+        Layout("halo_from_two_ranks", (2 * world - 1, 1)),
+        Layout("mixed_with_padding", (1, 2, total - 8, 1, 2), num_pad_tokens=2),
+    ]
+
+
+OP_SIGNATURES = {
+    "conv": conv_signature(channels=5, width=4, activation="silu"),
+    "attention": attention_signature(heads=4, kv_heads=2, dim=8),
+}
+OP_KEYWORDS = {"attention": {"softmax_scale": 0.3}}  # not the default scale: both paths must use the given one
+
+
+def gather_tokens(local: torch.Tensor, world: int) -> torch.Tensor:
+    """Rank pieces ``[1, T/R, ...]`` -> the row ``[1, T, ...]``."""
+    pieces = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(pieces, local.contiguous())
+    return torch.cat(pieces, dim=1)
+
+
+def summed(value: torch.Tensor) -> torch.Tensor:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value
+
+
+def check_op(op: str, layout: Layout, rank: int, world: int) -> None:
+    """Outputs, every input's gradient, and zero cross-document gradients, sharded vs unsharded."""
+    row = layout.boundaries()
+    case = op_inputs(op, OP_SIGNATURES[op], row, seed=0)
+    fn = functools.partial(public_op(op), **OP_KEYWORDS.get(op, {}))
+    expected = run(op, fn, case, row)["output"]
+    weight = projection({"output": expected}, seed=1)["output"]
+    leaves = {name: value for name, value in case.arguments.items()
+              if isinstance(value, torch.Tensor) and value.requires_grad}
+    expected_grads = torch.autograd.grad((expected * weight).sum(), list(leaves.values()))
+
+    shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world)
+    window = slice(shard.offset, shard.offset + shard.total_tokens)
+    local = {name: (value[:, window] if name in case.token_inputs else value).detach().requires_grad_()
+             if name in leaves else value for name, value in case.arguments.items()}
+    output = run(op, fn, case, shard, local)["output"]
+    assert_close(gather_tokens(output.detach(), world), expected.detach(), f"{op} output", tol=TOL[torch.float64])
+    grads = torch.autograd.grad((output * weight[:, window]).sum(), [local[name] for name in leaves],
+                                retain_graph=True)
+    for name, grad, want in zip(leaves, grads, expected_grads, strict=True):
+        got = gather_tokens(grad, world) if name in case.token_inputs else summed(grad)
+        assert_close(got, want, f"{op} d{name}", tol=TOL[torch.float64])
+
+    token_leaves = [name for name in leaves if name in case.token_inputs]
+    for doc, (start, length) in enumerate(zip(row.starts, row.segment_lengths, strict=True)):
+        mask = torch.zeros(1, row.total_tokens, 1, 1, dtype=torch.float64)
+        mask[:, start:start + length] = 1
+        doc_out = (output * weight[:, window] * mask[:, window].view(1, -1, *[1] * (output.dim() - 2))).sum()
+        doc_grads = torch.autograd.grad(doc_out, [local[name] for name in token_leaves], retain_graph=True,
+                                        allow_unused=True)
+        for name, grad in zip(token_leaves, doc_grads, strict=True):
+            full = gather_tokens(torch.zeros_like(local[name]) if grad is None else grad, world)
+            outside = torch.ones(row.total_tokens, dtype=torch.bool)
+            outside[start:start + length] = False
+            leak = full[0, outside].abs().max().item() if outside.any() else 0.0
+            assert leak == 0.0, f"{op}: segment {doc}'s output has gradient {leak:g} w.r.t. other segments' {name}"
+
+
+def packed_batch(layout: Layout, vocab: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    features = [{"input_ids": torch.randint(vocab, (n,), generator=generator).tolist()} for n in layout.lengths]
+    return PackingCollator(pack_length=layout.total_tokens)(features)
+
+
+def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torch.dtype, world: int, *,
+                loss_dtype: torch.dtype | None = None) -> None:
+    """Logits slice, loss shares summing to the loss, summed gradients equal to the unsharded ones.
+
+    ``loss_dtype``: the dtype the model computes its loss in (Hugging Face's: float32), which bounds the
+    precision of the loss and the gradients; the logits are compared at ``dtype``'s tolerance.
+    """
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    sharded_model = copy.deepcopy(model)
+    batch = packed_batch(layout, model.config.vocab_size, seed=2)
+    out = model(**batch)
+    out.loss.backward()
+
+    shard = shard_batch(batch)
+    cut = PackedBoundaries.from_lengths([n for r in range(world) for n in ShardedBoundaries.from_row(
+        shard["boundaries"].row, group=None, rank=r, world_size=world).segment_lengths])
+    with torch.no_grad():  # the row cut at the rank edges: what a shard would get without context parallelism
+        alone = model(input_ids=batch["input_ids"], boundaries=cut).logits
+    sensitivity = (alone - out.logits).abs().max().item()
+    assert sensitivity > 100 * TOL[dtype], f"the model barely mixes tokens ({sensitivity:g}): this test could not fail"
+    local = sharded_model(**shard)
+    local.loss.backward()
+    loss, grads = summed(local.loss), [summed(p.grad) for p in sharded_model.parameters()]  # collectives first
+    bounds = shard["boundaries"]
+    window = slice(bounds.offset, bounds.offset + bounds.total_tokens)
+    tol = TOL[loss_dtype or dtype]
+    assert_close(local.logits.detach(), out.logits[:, window].detach(), "logits", tol=TOL[dtype])
+    assert_close(loss, out.loss.detach(), "summed loss", tol=tol)
+    for (name, want), got in zip(model.named_parameters(), grads, strict=True):
+        assert_close(got, want.grad, f"summed grad of {name}", tol=tol)
+
+
+def patched(family: str) -> Callable[[], torch.nn.Module]:
+    """A tiny Hugging Face model of ``family``, patched, in training mode (eager experts: they run in float64)."""
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+    def make() -> torch.nn.Module:
+        model = tiny_model(family)
+        if getattr(model.config, "num_experts", 0):
+            model.set_experts_implementation("eager")
+        return patch_model(model).train()
+
+    return make
+
+
+def attention_model() -> HybridForCausalLM:
+    return HybridForCausalLM(HybridConfig(vocab_size=97, hidden_size=32, layer_pattern="AA", intermediate_size=48,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+
+
+def preset(name: str) -> Callable[[], HybridForCausalLM]:
+    return lambda: from_preset(name, vocab_size=97)
+
+
+def expect_input_error(field: str, call: Callable[[], object]) -> None:
+    try:
+        call()
+    except InputError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"no InputError naming {field!r}")
+    assert message.startswith(field), f"InputError names {message.split(':')[0]!r}, not {field!r}"
+
+
+def check_errors(rank: int, world: int) -> None:
+    layout = Layout("row", (5, 3 * world - 5))
+    batch = packed_batch(layout, 50, seed=0)
+    two_rows = {**batch, "input_ids": batch["input_ids"].repeat(2, 1)}
+    expect_input_error("input_ids", lambda: shard_batch(two_rows))
+    odd = packed_batch(Layout("odd", (3, 3 * world - 2)), 50, seed=0)
+    expect_input_error("pack_length", lambda: shard_batch(odd))
+    # Boundaries built for another rank's place, then for a group this process is not in.
+    shard = shard_batch(batch)["boundaries"]
+    wrong = ShardedBoundaries.from_row(shard.row, group=None, rank=(rank + 1) % world, world_size=world)
+    x = torch.randn(1, 3, 4)
+    conv = public_op("conv")
+    expect_input_error("boundaries", lambda: conv(x, torch.randn(4, 3), None, wrong))
+    halves = [dist.new_group(list(range(world))[half::2]) for half in (0, 1)]  # every rank makes both
+    foreign = ShardedBoundaries.from_row(shard.row, group=halves[1 - rank % 2], rank=0, world_size=world // 2)
+    expect_input_error("boundaries", lambda: conv(torch.randn(1, foreign.total_tokens, 4), torch.randn(4, 3), None,
+                                                  foreign))
+    model = attention_model()
+    with PackingGuard(model, every=1):
+        expect_input_error("boundaries", lambda: model(**shard_batch(batch)))
+
+
+def cases(world: int) -> dict[str, Callable[[int], None]]:
+    """Every case name of one launch (also the pytest ids), by group."""
+    out: dict[str, dict[str, Callable[[int], None]]] = {"ops": {}, "models": {}, "presets": {}, "errors": {}}
+    for op in OP_SIGNATURES:
+        for layout in op_layouts(world):
+            out["ops"][f"{op}-{layout.name}"] = lambda rank, op=op, layout=layout: check_op(op, layout, rank, world)
+    model_layout = Layout("model_row", (1, 9, 1, 20, 2, 4 * world + 3), num_pad_tokens=world)
+    for dtype in TOL:
+        name = str(dtype).removeprefix("torch.")
+        out["models"][f"attention_model-{name}"] = (
+            lambda rank, dtype=dtype: check_model(attention_model, model_layout, dtype, world))
+        for preset_name in ("qwen3-next-tiny", "bamba-tiny"):
+            out["presets"][f"{preset_name}-{name}"] = (
+                lambda rank, p=preset_name, dtype=dtype: check_model(preset(p), model_layout, dtype, world))
+    for family in ("lfm2", "qwen3_next", "bamba"):  # lfm2: conv + attention; the others need every op's CP
+        group = "models" if family == "lfm2" else "presets"
+        out[group][f"hf_{family}-float64"] = (lambda rank, family=family: check_model(
+            patched(family), model_layout, torch.float64, world, loss_dtype=torch.float32))
+    out["errors"]["bad_input"] = lambda rank: check_errors(rank, world)
+    return out
+
+
+def main(out_path: str, groups: list[str]) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a case that hangs fails instead
+    rank, world = dist.get_rank(), dist.get_world_size()
+    verdicts = {}
+    for group, group_cases in cases(world).items():
+        if groups and group not in groups:
+            continue
+        for name, case in group_cases.items():
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
+            try:
+                case(rank)
+                verdict = "ok"
+            except Exception as error:  # every failure becomes the case's verdict
+                verdict = f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
+            every = [None] * world
+            dist.all_gather_object(every, verdict)
+            verdicts[name] = next((v for v in every if v != "ok"), "ok")
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(verdicts, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
