@@ -17,6 +17,7 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.training import TrainConfig
 
 
+@pytest.mark.slow
 def test_train_compile_records_one_compilation(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     out = tmp_path / "run"
