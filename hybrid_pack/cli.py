@@ -61,6 +61,8 @@ def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
                         "CUDA), checkpoints in OUT/checkpoint/ with torch.distributed.checkpoint")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="under torchrun: split each packed row across N ranks (docs/parallel.md)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model on static batches: one graph for every row (docs/compile.md)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,7 +121,7 @@ def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
                        weight_decay=args.weight_decay, dtype=args.dtype, device=args.device,
                        compare_padded=args.compare_padded, isolation_check=args.isolation_check,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, fsdp=args.fsdp,
-                       context_parallel=args.context_parallel)
+                       context_parallel=args.context_parallel, compile=args.compile)
 
 
 def _print_summary(metrics: dict[str, Any], out: str) -> None:
@@ -148,6 +150,9 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
         guard = metrics["guard"]
         table.add_row(f"runtime guard (every {guard['every']} packed calls)",
                       f"{guard['checks']} checks, no leak (max diff {guard['max_diff'] or 0:.1e})")
+    if "compiles" in metrics:
+        table.add_row("compiled, static batches", f"[1, {metrics['pack_length']}], up to {metrics['max_documents']} "
+                      f"documents: {metrics['compiles']} compilation(s)")
     table.add_row("loss first -> last step", f"{metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}")
     table.add_row("packed real tokens/s", f"{metrics['tokens_per_second']:,.0f}")
     if "padded_tokens_per_second" in metrics:

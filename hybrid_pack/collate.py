@@ -24,15 +24,20 @@ import numpy as np
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     COLLATED_KEYS,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
     DEFAULT_EXTRA_TOKEN_KEYS,
     FLOAT_TOKEN_KEYS,
     IGNORE_INDEX,
     INPUT_IDS,
     LABELS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
     NUM_PAD_TOKENS,
     PackedBatch,
 )
@@ -59,6 +64,10 @@ class PackingCollator:
         extra_token_keys: per-token keys concatenated like ``input_ids`` when the features carry
             them (every feature or none); padding gets 0. ``advantages`` and ``old_logprobs`` come
             out float32; any other key int64, or float32 when given as floats.
+        max_documents: with ``pack_length``, the static form (SPEC §9, docs/compile.md): every batch has the
+            same shapes and Python values, for one compiled graph: ``cu_seq_lens_q/k`` int32
+            ``[max_documents + 2]`` (unused slots repeat ``pack_length``), ``max_length_q/k`` =
+            ``pack_length``, ``num_pad_tokens`` an int64 0-d tensor. More documents raise ``InputError``.
 
     ``__call__(features)`` returns, for ``T`` tokens (padding included) in ``S`` segments
     (the documents, plus the padding segment if any):
@@ -83,10 +92,14 @@ class PackingCollator:
         pack_length: int | None = None,
         pad_token_id: int = 0,
         extra_token_keys: Sequence[str] = DEFAULT_EXTRA_TOKEN_KEYS,
+        max_documents: int | None = None,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pack_length", pack_length)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise InputError(f"{name}: expected a positive int or None; got {value!r}")
+        if max_documents is not None and (not _is_int(max_documents) or max_documents < 1 or pack_length is None):
+            raise InputError(f"max_documents: expected a positive int together with pack_length (the static form "
+                             f"fixes both); got max_documents={max_documents!r}, pack_length={pack_length!r}")
         if pad_to_multiple_of is not None and pack_length is not None and pack_length % pad_to_multiple_of:
             raise InputError(f"pack_length: expected a multiple of pad_to_multiple_of={pad_to_multiple_of}; got "
                              f"{pack_length} (pass only one of them, or make pack_length a multiple)")
@@ -104,11 +117,13 @@ class PackingCollator:
         self.pack_length = pack_length
         self.pad_token_id = int(pad_token_id)
         self.extra_token_keys = tuple(extra_token_keys)
+        self.max_documents = max_documents
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(separator_id={self.separator_id}, "
                 f"pad_to_multiple_of={self.pad_to_multiple_of}, pack_length={self.pack_length}, "
-                f"pad_token_id={self.pad_token_id}, extra_token_keys={self.extra_token_keys})")
+                f"pad_token_id={self.pad_token_id}, extra_token_keys={self.extra_token_keys}, "
+                f"max_documents={self.max_documents})")
 
     def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]]) -> PackedBatch:
         docs = _flatten(features)
@@ -148,6 +163,10 @@ class PackingCollator:
                 batch[key] = _concat(key, values, kind, layout, 0, _extra_dtype(key, values[0]))
         if num_pad:
             batch[NUM_PAD_TOKENS] = num_pad
+        if self.max_documents is not None:
+            cu_seqlens = StaticBoundaries.from_boundaries(boundaries, self.max_documents).cu_seqlens
+            batch.update({CU_SEQ_LENS_Q: cu_seqlens, CU_SEQ_LENS_K: cu_seqlens, MAX_LENGTH_Q: self.pack_length,
+                          MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(num_pad)})
         return batch  # type: ignore[return-value]
 
     def _check_other_keys(self, docs: list[Feature], layout: _Layout) -> None:

@@ -68,7 +68,7 @@ class _PackedBatchKeys(TypedDict):
 class PackedBatch(_PackedBatchKeys, total=False):
     """The dict :class:`~hybrid_pack.PackingCollator` returns; the optional keys are present when given."""
 
-    num_pad_tokens: int           # tokens of the trailing padding segment (absent means 0)
+    num_pad_tokens: int           # tokens of the trailing padding segment (absent means 0; 0-d tensor if static)
     response_mask: torch.Tensor   # int64 [1, T]
     tool_mask: torch.Tensor       # int64 [1, T]
     advantages: torch.Tensor      # float32 [1, T]

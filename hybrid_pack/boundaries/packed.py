@@ -200,9 +200,17 @@ class PackedBoundaries:
                                 num_pad_tokens=num_pad_tokens)
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], *, num_pad_tokens: int = 0) -> PackedBoundaries:
-        """From cumulative lengths ``[S+1]`` (0 first, strictly increasing)."""
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], *, num_pad_tokens: int = 0,
+                        static: bool = False) -> PackedBoundaries:
+        """From cumulative lengths ``[S+1]`` (0 first, strictly increasing).
+
+        ``static=True`` reads the static form (SPEC §9): the zero-length segments that may end it (its
+        unused document slots, ``T`` repeated) are left out.
+        """
         cu = _as_int_array("cu_seqlens", cu_seqlens, ndim_ok=(1,))
+        if static and cu.size > 2:
+            before_end = np.flatnonzero(cu != cu[-1])
+            cu = cu[:before_end[-1] + 2 if before_end.size else 2]
         if cu.size < 2:
             _fail("cu_seqlens", "at least two entries [0, ..., T]", f"{cu.tolist()}")
         if cu[0] != 0:
@@ -261,6 +269,8 @@ class PackedBoundaries:
 
         Uses ``cu_seq_lens_q`` if present, else ``seq_idx``, else ``position_ids``, and checks that
         every other boundary key present on the host agrees. ``num_pad_tokens`` is read when present.
+        A static batch (SPEC §9) gives the boundaries of the same documents without its static padding: its
+        unused document slots (zero-length segments at the end of ``cu_seq_lens_q``) are left out.
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         """
         num_pad = int(batch.get(NUM_PAD_TOKENS, 0) or 0)
@@ -268,10 +278,14 @@ class PackedBoundaries:
         if key is None:
             raise BoundaryError(f"batch: expected one of {', '.join(map(repr, PRIMARY_BOUNDARY_KEYS))} "
                                 "(build batches with hybrid_pack.PackingCollator)")
-        maker = {CU_SEQ_LENS_Q: cls.from_cu_seqlens, SEQ_IDX: cls.from_seq_idx,
-                 POSITION_IDS: cls.from_position_ids}[key]
-        out = maker(batch[key], num_pad_tokens=num_pad)
-        expected_of = {CU_SEQ_LENS_K: out.cu_seqlens, SEQ_IDX: out.seq_idx, POSITION_IDS: out.position_ids}
+        if key == CU_SEQ_LENS_Q:
+            out = cls.from_cu_seqlens(batch[key], num_pad_tokens=num_pad, static=True)
+            cu_seqlens = batch[key]
+        else:
+            maker = cls.from_seq_idx if key == SEQ_IDX else cls.from_position_ids
+            out = maker(batch[key], num_pad_tokens=num_pad)
+            cu_seqlens = out.cu_seqlens
+        expected_of = {CU_SEQ_LENS_K: cu_seqlens, SEQ_IDX: out.seq_idx, POSITION_IDS: out.position_ids}
         for other, expected in expected_of.items():
             got = batch.get(other)
             if other != key and got is not None and (not isinstance(got, torch.Tensor) or got.device.type == "cpu"):
@@ -281,9 +295,9 @@ class PackedBoundaries:
                     raise BoundaryError(f"{other}: expected the same boundaries as {key!r}; they disagree "
                                         f"(build all boundary keys together with PackingCollator)")
         for other in (MAX_LENGTH_Q, MAX_LENGTH_K):
-            if batch.get(other) is not None and int(batch[other]) != out.max_seqlen:
-                raise BoundaryError(f"{other}: expected {out.max_seqlen} (the longest segment of {key!r}); "
-                                    f"got {batch[other]}")
+            if batch.get(other) is not None and int(batch[other]) not in (out.max_seqlen, out.total_tokens):
+                raise BoundaryError(f"{other}: expected {out.max_seqlen} (the longest segment of {key!r}), or "
+                                    f"{out.total_tokens} (T, in a static batch); got {batch[other]}")
         ids = batch.get(INPUT_IDS)
         if ids is not None and ids.shape[-1] != out.total_tokens:
             raise BoundaryError(f"{INPUT_IDS}: expected {out.total_tokens} tokens (the total of {key!r}); "

@@ -23,7 +23,7 @@ def shift_labels(labels: torch.Tensor, boundaries: PackedBoundaries | None = Non
         int ``[B, T]`` aligned with the logits: what ``logits[:, t]`` is scored against.
     """
     targets = labels
-    if boundaries is not None and boundaries.num_segments > 1:
-        starts = boundaries.cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long)
-        targets = targets.index_fill(-1, starts, IGNORE_INDEX)
+    if boundaries is not None and boundaries.num_segments > 1:  # a mask, not indices: no data-dependent shape
+        starts = boundaries.position_ids.to(labels.device).view(1, -1).expand_as(labels) == 0
+        targets = targets.masked_fill(starts, IGNORE_INDEX)
     return F.pad(targets[:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.loss import packed_loss
 from hybrid_pack.modeling.attention import Attention
@@ -104,8 +105,12 @@ class HybridModel(nn.Module):
         return self.norm(hidden_states)
 
 
-def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoundaries:
-    """Boundaries from the collator keys in ``batch``, or one document per row when there are none."""
+def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoundaries | StaticBoundaries:
+    """Boundaries from the collator keys in ``batch``, or one document per row when there are none.
+
+    Inside ``torch.compile`` they are :class:`StaticBoundaries` (tensors only, nothing read from them), so one
+    graph serves every batch of the same shapes (the static batches of SPEC §9).
+    """
     if all(batch.get(key) is None for key in PRIMARY_BOUNDARY_KEYS):
         given = [key for key in SECONDARY_BOUNDARY_KEYS if batch.get(key) is not None]
         given = [key for key in given if not (key == NUM_PAD_TOKENS and batch[key] == 0)]
@@ -116,6 +121,8 @@ def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoun
     if rows != 1:
         raise BoundaryError(f"{INPUT_IDS}: a packed batch is one row [1, T] (PackingCollator flattens the batch); "
                             f"got {rows} rows together with boundary keys")
+    if torch.compiler.is_compiling():
+        return StaticBoundaries.from_batch(batch)
     return PackedBoundaries.from_batch(batch)
 
 

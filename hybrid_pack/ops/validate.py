@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 
 
-def check_packed(name: str, x: torch.Tensor, boundaries: PackedBoundaries, ndim: int) -> None:
+def check_packed(name: str, x: torch.Tensor, boundaries: PackedBoundaries | StaticBoundaries, ndim: int) -> None:
     """Raise ValueError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and T = boundaries.total_tokens."""
-    if not isinstance(boundaries, PackedBoundaries):
+    if not isinstance(boundaries, (PackedBoundaries, StaticBoundaries)):
         raise InputError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)); "
                          f"got {type(boundaries).__name__}")
     if x.dim() != ndim:

@@ -45,6 +45,7 @@ class PackPlan:
         tokens_kept: tokens placed in packs (``tokens_in`` minus truncated and dropped tokens).
         num_truncated, num_split, num_dropped: examples longer than ``capacity`` that were
             truncated, split or dropped (only the one matching ``overflow`` can be non-zero).
+        max_documents: the most documents any pack may hold (None: no limit).
 
     Cheap per-pack access for samplers: :meth:`pack_items` / :meth:`pack_examples` return views,
     :attr:`pack_tokens` the token count of every pack, :attr:`pack_num_documents` the item count.
@@ -65,6 +66,7 @@ class PackPlan:
     num_truncated: int
     num_split: int
     num_dropped: int
+    max_documents: int | None = None
 
     def __post_init__(self) -> None:
         for array in (self.example_index, self.start, self.stop, self.pack_offsets, self.pack_tokens):
@@ -204,6 +206,16 @@ def _assign_packs(sizes: np.ndarray, capacity: int, strategy: str,
     return group_by_bin(bin_of_item, pack_rank)
 
 
+def _limit_documents(pack_offsets: np.ndarray, max_documents: int) -> np.ndarray:
+    """``pack_offsets`` with every pack of more than ``max_documents`` items cut, in order, into packs of at
+    most ``max_documents`` (the items stay where they are: only offsets are added)."""
+    counts = np.diff(pack_offsets)
+    pieces = -(-counts // max_documents)
+    first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    starts = np.repeat(pack_offsets[:-1], pieces) + max_documents * (np.arange(pieces.sum()) - first_piece)
+    return np.append(starts, pack_offsets[-1]).astype(np.int64)
+
+
 def _pack_tokens(item_lengths: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
     """int64 ``[P]``, tokens in each pack, from the lengths of the items stored pack after pack."""
     token_offsets = np.zeros(item_lengths.size + 1, np.int64)
@@ -226,6 +238,7 @@ def plan_packs(
     strategy: str = "bfd",
     overflow: str = "error",
     seed: int | None = None,
+    max_documents: int | None = None,
 ) -> PackPlan:
     """Plan packs of at most ``capacity`` tokens from per-example token counts.
 
@@ -247,6 +260,9 @@ def plan_packs(
             documents is placed first, using ``numpy.random.default_rng(seed)``. ``first_fit`` and
             ``next_fit`` still consider documents in input order. A seed never changes the number
             of packs or the multiset of document lengths in each pack.
+        max_documents: no pack holds more documents than this (the static batches of
+            ``PackingCollator(pack_length=capacity, max_documents=...)``, docs/compile.md): a pack the
+            strategy filled with more is cut, in order, into several.
 
     Returns:
         A :class:`PackPlan`; every kept token of every example appears in exactly one pack, and the
@@ -261,6 +277,8 @@ def plan_packs(
     example_index, start, stop = _documents(lengths, capacity, overflow)
     rng = np.random.default_rng(seed) if seed is not None else None
     items, pack_offsets = _assign_packs(stop - start, capacity, strategy, rng)
+    if max_documents is not None:
+        pack_offsets = _limit_documents(pack_offsets, _check_int("max_documents", max_documents, minimum=1))
     example_index, start, stop = example_index[items], start[items], stop[items]
     pack_tokens = _pack_tokens(stop - start, pack_offsets)
     return PackPlan(
@@ -277,4 +295,5 @@ def plan_packs(
         tokens_in=int(lengths.sum()),
         tokens_kept=int(pack_tokens.sum()),
         **_overflow_counts(lengths, capacity, overflow),
+        max_documents=max_documents,
     )

@@ -101,6 +101,8 @@ class PackedBatchSampler(Sampler[Batch]):
             pack; :class:`~hybrid_pack.PackingCollator` turns it into one row of up to
             ``k * capacity`` tokens (the same row it builds from the list of packs).
         cost: prices documents for balancing (:class:`~hybrid_pack.packing.balance.TokenCost`).
+        max_documents: no pack holds more documents (:func:`~hybrid_pack.plan_packs`); with ``packs_per_step``
+            ``k``, a step's row holds at most ``k * max_documents`` (the static collator's ``max_documents``).
 
     Items are example indices (ints) for ``overflow="error"`` / ``"drop"``. For ``"truncate"`` and
     ``"split"`` they are ``(index, start, stop)`` token slices: wrap the dataset in
@@ -126,6 +128,7 @@ class PackedBatchSampler(Sampler[Batch]):
         overflow: str = "error",
         packs_per_step: int = 1,
         cost: TokenCost | None = None,
+        max_documents: int | None = None,
     ) -> None:
         self.num_replicas = _check_int("num_replicas", num_replicas, 1)
         if rank is not None and not (isinstance(rank, (int, np.integer)) and 0 <= rank < num_replicas):
@@ -136,7 +139,8 @@ class PackedBatchSampler(Sampler[Batch]):
         self.shuffle = bool(shuffle)
         self.packs_per_step = _check_int("packs_per_step", packs_per_step, 1)
         self.cost = cost if cost is not None else TokenCost()
-        self.plan = plan_packs(lengths, capacity, strategy=strategy, overflow=overflow, seed=self.seed)
+        self.plan = plan_packs(lengths, capacity, strategy=strategy, overflow=overflow, seed=self.seed,
+                               max_documents=max_documents)
         if self.plan.num_documents == 0:
             raise InputError("lengths: no example to pack (the list is empty, or overflow='drop' dropped every "
                              "example as longer than capacity: raise capacity or use overflow='truncate' or 'split')")

@@ -353,12 +353,13 @@ class PackingGuard:
 
     @contextlib.contextmanager
     def _own_calls(self) -> Iterator[None]:
-        """Eval mode, no gradient, the CPU and CUDA random states forked; modes restored module by module after."""
+        """Eval mode, no gradient, eager (a compiled forward is not recompiled for the documents' own shapes), the
+        CPU and CUDA random states forked; modes restored module by module after."""
         modes = [(module, module.training) for module in self.model.modules()]
         cuda = sorted({p.device.index or 0 for p in self.model.parameters() if p.device.type == "cuda"})
         self._checking = self._capture = True
         try:
-            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            with torch.random.fork_rng(devices=cuda), torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 self.model.eval()
                 yield
         finally:

@@ -43,6 +43,8 @@ class TrainConfig:
             checkpoints with ``torch.distributed.checkpoint`` (:mod:`hybrid_pack.training.sharded`).
         context_parallel: ranks that share each packed row under torchrun (docs/parallel.md); the others
             are data-parallel replicas. Above 1 the guard is off (it checks whole rows).
+        compile: ``torch.compile`` the model's forward and feed it static batches (docs/compile.md): every row
+            ``capacity`` tokens and at most as many documents as the fullest pack of the plan, one graph.
     """
 
     model: str = "qwen3-next-tiny"
@@ -72,6 +74,7 @@ class TrainConfig:
     fsdp: bool = False
     context_parallel: int = 1
     progress: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("capacity", "epochs", "grad_accum", "context_parallel"):
@@ -91,6 +94,9 @@ class TrainConfig:
         if self.fsdp and self.context_parallel > 1:
             raise InputError("fsdp: FSDP2 together with context_parallel > 1 is not supported yet (its gradient "
                              "reduction would average over the context-parallel ranks); use one of the two")
+        if self.compile and self.context_parallel > 1:
+            raise InputError("compile: static batches together with context_parallel > 1 are not supported yet (a "
+                             "shard's boundaries are built on the host); use one of the two")
         if self.data != "gsm8k" and not Path(self.data).is_file():
             raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
 

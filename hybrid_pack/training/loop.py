@@ -99,7 +99,8 @@ def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], opt
     step_loss = 0.0
     for mb in micro_batches:
         boundaries = mb.get(BOUNDARIES)
-        inputs = {key: mb[key].to(device, non_blocking=True) for key in (INPUT_IDS, LABELS, SHIFT_LABELS) if key in mb}
+        inputs = {key: value.to(device, non_blocking=True) for key, value in mb.items()
+                  if isinstance(value, torch.Tensor)}
         inputs[BOUNDARIES] = boundaries.to(device) if boundaries is not None else None
         inputs[NUM_ITEMS_IN_BATCH] = items
         with amp:

@@ -15,6 +15,7 @@ class RunStats:
         seconds: time in optimizer steps; ``warmup_seconds`` / ``warmup_tokens``: the first step's share.
         groups: example indices of every packed row, in order.
         peak_memory_bytes: the most CUDA memory allocated during the pass (0 off CUDA).
+        compiles: graphs ``torch.compile`` compiled during the pass (``--compile``; 1 is the goal).
     """
 
     losses: list[float] = field(default_factory=list)
@@ -25,6 +26,7 @@ class RunStats:
     warmup_tokens: int = 0
     groups: list[list[int]] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    compiles: int = 0
 
     @property
     def tokens_per_second(self) -> float:

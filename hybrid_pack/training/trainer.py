@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid_pack.backends import decisions
@@ -35,7 +36,16 @@ from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.parallel.mesh import CP, DP, context_parallel_mesh
 from hybrid_pack.parallel.shard import shard_batch
-from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS, SHIFT_LABELS
+from hybrid_pack.schema import (
+    BOUNDARIES,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    LABELS,
+    NUM_PAD_TOKENS,
+    POSITION_IDS,
+    SEQ_IDX,
+    SHIFT_LABELS,
+)
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.checkpoint import CHECKPOINT, CheckpointSaver, load_checkpoint
 from hybrid_pack.training.comparison import compare_padded
@@ -122,12 +132,14 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     lengths = [len(f[INPUT_IDS]) for f in features]
     replica, replicas = proc.replica
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=replicas, rank=replica, seed=cfg.seed)
+    if cfg.compile:  # the static shape (SPEC §9): every row `capacity` tokens, the fullest pack's documents
+        metrics.update(pack_length=cfg.capacity, max_documents=int(sampler.plan.pack_num_documents.max()))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
     guarded = cfg.guard_every and proc.mesh is None  # the guard checks whole rows, not context-parallel shards
     guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed,
                          group=dist.group.WORLD if proc.world > 1 else None).attach() if guarded else None
     try:
-        stats = _train_packed(model, features, sampler, cfg, proc, guard)
+        stats = _train_packed(model, features, sampler, cfg, proc, guard, metrics.get("max_documents"))
     except IsolationError:
         _write_metrics(proc, metrics, guard)
         raise
@@ -138,6 +150,8 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     exported = unsharded_model(model, lambda: build_model(cfg), proc.rank) if cfg.fsdp else model
     if proc.rank == 0:
         metrics.update(save_trained_model(exported, data.remap, proc.out / MODEL_DIR, TOKENIZER_VOCAB))
+    if cfg.compile:
+        metrics["compiles"] = stats.compiles
     padded_stats = None
     if cfg.compare_padded:
         padded_stats = compare_padded(model, initial_state, features, stats, cfg, proc.device, proc.autocast, metrics)
@@ -224,8 +238,12 @@ def _check_isolation_first(model: torch.nn.Module, cfg: TrainConfig, proc: _Proc
 
 
 def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler,
-                  cfg: TrainConfig, proc: _Process, guard: PackingGuard | None) -> RunStats:
-    """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step."""
+                  cfg: TrainConfig, proc: _Process, guard: PackingGuard | None, max_documents: int | None) -> RunStats:
+    """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step.
+
+    With ``max_documents`` (``cfg.compile``) the rows are static batches and the model's forward is compiled
+    (its hooks, the guard's, stay outside the graph); ``stats.compiles`` counts the graphs compiled.
+    """
     total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
     trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 and not cfg.fsdp else model
     optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
@@ -245,14 +263,22 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
         reporter.log(step, {"train/loss": stats.losses[-1], "train/learning_rate": scheduler.get_last_lr()[0],
                             "train/tokens_per_second": stats.tokens_per_second})
 
-    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, proc.cp_group,
+    collator = (PackingCollator(pack_length=cfg.capacity, max_documents=max_documents) if max_documents
+                else PackingCollator(pad_to_multiple_of=cfg.context_parallel))
+    steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator, proc.cp_group,
                          cfg.context_parallel)
+    graphs_before = counters["stats"]["unique_graphs"]
+    if max_documents:
+        model.forward = torch.compile(model.forward)
     try:
         return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device,
                           autocast=proc.autocast, world=proc.world, describe="packed", optimizer=optimizer,
                           scheduler=scheduler, stats=stats, start_step=start_step, on_step=after_step, guard=guard)
     finally:
         reporter.close()
+        if max_documents:
+            del model.forward  # the padded comparison (other shapes) runs eagerly
+            stats.compiles = counters["stats"]["unique_graphs"] - graphs_before
 
 
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],
@@ -309,13 +335,14 @@ class _PackedSteps:
     context parallelism each row is padded to a multiple of the group's size and this rank gets its shard."""
 
     def __init__(self, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler, grad_accum: int,
-                 epochs: int, groups: list[list[int]], cp_group: Any = None, context_parallel: int = 1) -> None:
-        self.features, self.sampler, self.grad_accum, self.epochs, self.groups = (
-            features, sampler, grad_accum, epochs, groups)
+                 epochs: int, groups: list[list[int]], collator: PackingCollator, cp_group: Any = None,
+                 context_parallel: int = 1) -> None:
+        self.features, self.sampler, self.grad_accum, self.epochs, self.groups, self.collator = (
+            features, sampler, grad_accum, epochs, groups, collator)
         self.cp_group, self.context_parallel = cp_group, context_parallel
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
-        collator = PackingCollator(pad_to_multiple_of=self.context_parallel)
+        collator = self.collator
         for epoch in range(self.sampler.epoch, self.epochs):
             self.sampler.set_epoch(epoch)
             micro: list[MicroBatch] = []
@@ -330,6 +357,10 @@ class _PackedSteps:
                 yield micro
 
     def _micro_batch(self, batch: dict[str, Any]) -> MicroBatch:
+        if self.collator.max_documents:  # static: the boundary tensors (a compiled graph reads no host values)
+            return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
+                    **{key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS)},
+                    REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch[NUM_PAD_TOKENS])}
         if self.context_parallel == 1:
             return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], BOUNDARIES: PackedBoundaries.from_batch(batch),
                     REAL_TOKENS: batch[INPUT_IDS].shape[1] - batch.get(NUM_PAD_TOKENS, 0)}

@@ -339,3 +339,20 @@ def test_report_of_split_plan_counts_pieces():
 def test_report_rejects_bad_batch_size(bad):
     with pytest.raises(InputError, match="batch_size: expected an int >= 1"):
         packing_report(plan_packs([1, 2], 4), batch_size=bad)
+
+
+# ------------------------------------------------------------------ max_documents (static batches)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_max_documents_bounds_every_pack_and_keeps_every_token(strategy):
+    lengths = np.random.default_rng(3).integers(1, 40, 300)
+    plan = plan_packs(lengths, 128, strategy=strategy, max_documents=4, seed=1)
+    unlimited = plan_packs(lengths, 128, strategy=strategy, seed=1)
+    assert plan.pack_num_documents.max() <= 4 < unlimited.pack_num_documents.max()
+    assert plan.pack_tokens.max() <= 128 and plan.tokens_kept == lengths.sum()
+    assert sorted(plan.example_index.tolist()) == list(range(lengths.size))
+    assert plan.max_documents == 4
+
+
+def test_max_documents_must_be_positive():
+    with pytest.raises(InputError, match="max_documents"):
+        plan_packs([1, 2], 8, max_documents=0)

@@ -239,3 +239,15 @@ def test_bad_arguments_raise(kwargs, field):
 def test_all_dropped_raises():
     with pytest.raises(InputError, match="no example to pack"):
         PackedBatchSampler([30, 40], 8, overflow="drop")
+
+
+def test_max_documents_feeds_the_static_collator() -> None:
+    """With ``max_documents`` no step holds more documents than the static collator takes."""
+    lengths = np.random.default_rng(5).integers(1, 30, 200)
+    sampler = PackedBatchSampler(lengths, 64, max_documents=3, seed=2)
+    collator = PackingCollator(pack_length=64, max_documents=3)
+    dataset = [{"input_ids": [1] * int(n)} for n in lengths]
+    seen = []
+    for batch in DataLoader(dataset, batch_sampler=sampler, collate_fn=collator):
+        seen.append(batch["cu_seq_lens_q"].shape)
+    assert len(seen) == len(sampler) and set(seen) == {(5,)}

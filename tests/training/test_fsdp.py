@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from hybrid_pack.collate import PackingCollator
 from hybrid_pack.modeling import HybridForCausalLM
 from hybrid_pack.packing import PackedBatchSampler
 from hybrid_pack.schema import INPUT_IDS
@@ -42,7 +43,8 @@ def _one_process(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=RANKS, rank=None, seed=cfg.seed)
     total = min(cfg.max_steps, math.ceil(len(sampler) / RANKS) * cfg.epochs)
     optimizer, scheduler = build_optimizer(model, cfg, total)
-    stats = train_pass(model, _PackedSteps(features, sampler, RANKS, cfg.epochs, []), total_steps=total, cfg=cfg,
+    steps = _PackedSteps(features, sampler, RANKS, cfg.epochs, [], PackingCollator())
+    stats = train_pass(model, steps, total_steps=total, cfg=cfg,
                        device=torch.device("cpu"), autocast=None, world=1, describe="reference",
                        optimizer=optimizer, scheduler=scheduler, stats=RunStats())
     return stats.losses, model.state_dict()

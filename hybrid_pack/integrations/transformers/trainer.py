@@ -9,6 +9,8 @@ resumed one) walks its own order. Every training log carries ``tokens_per_second
 tokens of every rank since the previous log over the time since it (``Trainer``'s own
 ``train_samples_per_second`` counts packed rows, not tokens), and ``real_tokens_seen``; the final metrics
 carry ``train_tokens_per_second``.
+Under ``TrainingArguments(torch_compile=True)`` the rows are static batches (docs/compile.md) and the
+model builds its boundaries itself, so one graph serves every row.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class PackedBatches:
         if boundaries is not None and self.model.training:  # type: ignore[attr-defined]
             self._log_clock = self._log_clock or time.perf_counter()
             self._tokens_since_log += boundaries.total_tokens - boundaries.num_pad_tokens  # host ints: no sync
+        # Compiled, the model reads the batch's boundary tensors itself (host ints would be graph constants).
+        if self.args.torch_compile:  # type: ignore[attr-defined]
+            boundaries = None
         inputs = super()._prepare_inputs(inputs)  # type: ignore[misc]
         if boundaries is not None:
             inputs[BOUNDARIES] = boundaries.to(self.args.device)  # type: ignore[attr-defined]
@@ -105,7 +110,9 @@ class PackedTrainer(PackedBatches, Trainer):
     Args:
         lengths: token count of every example of ``train_dataset``.
         capacity: tokens per packed row (``per_device_train_batch_size`` is ignored: one row per step and rank).
-        collator: defaults to ``PackingCollator()``.
+        collator: defaults to ``PackingCollator()``; with ``torch_compile=True`` to the static
+            ``PackingCollator(pack_length=capacity, max_documents=...)`` with as many documents as the plan's
+            fullest pack (one compiled graph for every row).
         *args, **kwargs: as for ``transformers.Trainer``.
     """
 
@@ -118,6 +125,10 @@ class PackedTrainer(PackedBatches, Trainer):
                 f"{self.accelerator.distributed_type}): accelerate uses its FSDP plugin only on accelerators (CUDA, "
                 "NPU, XPU, ...), and on CPU the Trainer would train with DDP instead; drop fsdp= on CPU, or run on "
                 "GPUs (docs/distributed.md, 'Sharded training')")
+        sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
+                                     seed=self.args.seed)
+        if collator is None and self.args.torch_compile:
+            collator = PackingCollator(pack_length=capacity,
+                                       max_documents=int(sampler.plan.pack_num_documents.max()))
         self.packing_collator = collator or PackingCollator()
-        self.use_packed_sampler(PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
-                                                   seed=self.args.seed))
+        self.use_packed_sampler(sampler)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.cp import varlen_attention_cp
 from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     boundaries: PackedBoundaries | StaticBoundaries, *,
                      causal: bool = True, softmax_scale: float | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """Attention where each token sees only tokens of its own document.
@@ -39,9 +42,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
     if q.shape[2] % k.shape[2]:
         raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if isinstance(boundaries, StaticBoundaries):
+        return STATIC_OP(q, k, v, cu_seqlens=boundaries.cu_seqlens, backend=backend, requires_grad=needs_grad(q, k, v),
+                         causal=causal, softmax_scale=scale)[0]
     if isinstance(boundaries, ShardedBoundaries):
         return varlen_attention_cp(varlen_attention, q, k, v, boundaries, causal=causal, softmax_scale=scale,
                                    backend=backend)
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype, requires_grad=needs_grad(q, k, v),
                    inputs={"q": q, "k": k, "v": v, "causal": causal}, signature=signature_of(q, k, v, causal))
     return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)
+
+
+STATIC_OP = PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention,
+                           fake=lambda tensors, num_segments, **options: [tensors[0].new_empty(tensors[0].shape)])

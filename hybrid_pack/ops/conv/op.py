@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
 from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, boundaries: PackedBoundaries,
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  boundaries: PackedBoundaries | StaticBoundaries,
                   *, activation: str | None = None, backend: str | None = None) -> torch.Tensor:
     """``y[t, d] = act(bias[d] + sum_i weight[d, i] * x[t - W + 1 + i, d])`` over taps in t's own document.
 
@@ -37,9 +40,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in ACTIVATIONS:
         raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
     activation = "silu" if activation == "swish" else activation
+    if isinstance(boundaries, StaticBoundaries):
+        return STATIC_OP(x, weight, bias, cu_seqlens=boundaries.cu_seqlens, backend=backend,
+                         requires_grad=needs_grad(x, weight, bias), activation=activation)[0]
     if isinstance(boundaries, ShardedBoundaries):
         return causal_conv1d_cp(causal_conv1d, x, weight, bias, boundaries, activation=activation, backend=backend)
     impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=needs_grad(x, weight, bias),
                    inputs={"x": x, "weight": weight, "bias": bias, "activation": activation},
                    signature=signature_of(x, weight, bias, activation))
     return impl.fn(x, weight, bias, boundaries, activation=activation)
+
+
+STATIC_OP = PackedCustomOp("causal_conv1d", ("x", "weight", "bias?"), "str? activation", causal_conv1d,
+                           fake=lambda tensors, num_segments, **options: [tensors[0].new_empty(tensors[0].shape)])

@@ -5,16 +5,18 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
+from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     boundaries: PackedBoundaries, *, scale: float | None = None,
+                     boundaries: PackedBoundaries | StaticBoundaries, *, scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                      use_qk_l2norm: bool = False, backend: str | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -33,7 +35,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             final states then mean).
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` for the ``N = boundaries.num_docs`` documents (the padding
-            segment, if any, starts from zero).
+            segment, if any, starts from zero); with :class:`StaticBoundaries`, one per segment slot
+            (``N = boundaries.num_segments``).
         output_final_state: also return each document's final state ``[N, HV, K, V]`` (float32; float64
             for float64 inputs).
         use_qk_l2norm: L2-normalise q and k over K first.
@@ -51,8 +54,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
     check_shape("g", g, (1, t_len, hv))
     check_shape("beta", beta, (1, t_len, hv))
-    check_shape("initial_state", initial_state, (boundaries.num_docs, hv, k_dim, v_dim))
+    static = isinstance(boundaries, StaticBoundaries)
+    slots = boundaries.num_segments if static else boundaries.num_docs
+    check_shape("initial_state", initial_state, (slots, hv, k_dim, v_dim))
     scale = k_dim ** -0.5 if scale is None else float(scale)
+    if static:
+        out = STATIC_OP(q, k, v, g, beta, initial_state, cu_seqlens=boundaries.cu_seqlens, backend=backend,
+                        requires_grad=needs_grad(q, k, v, g, beta, initial_state), scale=scale,
+                        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+        return out[0], out[1] if output_final_state else None
     if isinstance(boundaries, ShardedBoundaries):
         return gated_delta_rule_cp(gated_delta_rule, q, k, v, g, beta, boundaries, scale=scale,
                                    initial_state=initial_state, output_final_state=output_final_state,
@@ -64,3 +74,22 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                           output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm))
     return impl.fn(q, k, v, g, beta, boundaries, scale=scale, initial_state=initial_state,
                    output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           initial_state: torch.Tensor | None, boundaries: PackedBoundaries,
+           **options: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return gated_delta_rule(q, k, v, g, beta, boundaries, initial_state=initial_state, **options)
+
+
+def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state: bool,
+          **options: object) -> list[torch.Tensor]:
+    q, k, v = tensors[:3]
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=state_dtype)]
+    return [v.new_empty(v.shape), *(state if output_final_state else [])]
+
+
+STATIC_OP = PackedCustomOp("gated_delta_rule", ("q", "k", "v", "g", "beta", "initial_state?"),
+                           "float scale, bool output_final_state, bool use_qk_l2norm", _eager,
+                           fake=_fake, state_input=5)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
@@ -14,9 +16,9 @@ from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-               boundaries: PackedBoundaries, *, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
-               dt_bias: torch.Tensor | None = None, dt_softplus: bool = True, chunk_size: int = 64,
-               initial_states: torch.Tensor | None = None, return_final_states: bool = False,
+               boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
+               z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+               chunk_size: int = 64, initial_states: torch.Tensor | None = None, return_final_states: bool = False,
                backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2 SSD: ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T``, ``y_t = C_t^T h_t + D x_t``.
 
@@ -36,7 +38,8 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         z: ``[1, T, H, P]`` gate.
         dt_bias: ``[H]``.
         chunk_size: the chunk length of the chunked scan (a speed knob; results do not depend on it).
-        initial_states: ``[N, H, P, N_state]`` for the ``N = boundaries.num_docs`` documents.
+        initial_states: ``[N, H, P, N_state]`` for the ``N = boundaries.num_docs`` documents; with
+            :class:`StaticBoundaries`, one per segment slot (``N = boundaries.num_segments``).
         return_final_states: also return each document's final state ``[N, H, P, N_state]`` (float32;
             float64 for float64 inputs).
         backend: force a backend (see :mod:`hybrid_pack.backends`).
@@ -57,7 +60,8 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         raise InputError(f"D: expected shape [{h}] or [{h}, {p}]; got {list(D.shape)}")
     check_shape("z", z, x.shape)
     check_shape("dt_bias", dt_bias, (h,))
-    check_shape("initial_states", initial_states, (boundaries.num_docs, h, p, n))
+    static = isinstance(boundaries, StaticBoundaries)
+    check_shape("initial_states", initial_states, (boundaries.num_segments if static else boundaries.num_docs, h, p, n))
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
     if isinstance(boundaries, ShardedBoundaries):
@@ -65,6 +69,11 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                              dt_softplus=dt_softplus, chunk_size=chunk_size, initial_states=initial_states,
                              return_final_states=return_final_states, backend=backend)
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    if static:
+        out = STATIC_OP(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens=boundaries.cu_seqlens,
+                        backend=backend, requires_grad=requires_grad, dt_softplus=dt_softplus, chunk_size=chunk_size,
+                        return_final_states=return_final_states)
+        return (out[0], out[1]) if return_final_states else out[0]
     impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=requires_grad,
                    inputs={"x": x, "B": B, "chunk_size": chunk_size, "initial_states": initial_states,
                            "return_final_states": return_final_states, "requires_grad": requires_grad},
@@ -73,3 +82,22 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                                           return_final_states=return_final_states))
     return impl.fn(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                    chunk_size=chunk_size, initial_states=initial_states, return_final_states=return_final_states)
+
+
+def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+           D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+           initial_states: torch.Tensor | None, boundaries: PackedBoundaries, **options: object) -> object:
+    return mamba2_ssd(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, **options)
+
+
+def _fake(tensors: list[torch.Tensor], num_segments: int, *, return_final_states: bool,
+          **options: object) -> list[torch.Tensor]:
+    x, B = tensors[0], tensors[3]
+    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    states = [x.new_empty((num_segments, x.shape[2], x.shape[3], B.shape[3]), dtype=state_dtype)]
+    return [x.new_empty(x.shape), *(states if return_final_states else [])]
+
+
+STATIC_OP = PackedCustomOp("mamba2_ssd", ("x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?", "initial_states?"),
+                           "bool dt_softplus, int chunk_size, bool return_final_states", _eager, fake=_fake,
+                           state_input=8)

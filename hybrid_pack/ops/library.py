@@ -1,0 +1,184 @@
+"""The ops as ``torch.library`` custom ops: how a compiled graph calls them on :class:`StaticBoundaries`.
+
+Inside ``torch.compile`` the boundaries are tensors only (:class:`~hybrid_pack.boundaries.static.StaticBoundaries`),
+so everything an op derives from the documents' lengths (chunk layouts, attention buckets, kernel chunk
+indices: data-dependent shapes) and the backend choice with its self-check (SPEC §5a) must stay out of the
+graph. Each op is therefore one opaque node, ``hybrid_pack::<op>``, whose:
+
+- real implementation reads ``cu_seqlens`` (one host read per row: the one-entry cache below keeps the
+  :class:`PackedBoundaries` of the last ``cu_seqlens`` tensor seen, so all layers of a step share it and its
+  views), leaves out the zero-length segments of the static form, and calls the eager op: backend
+  selection, the self-check of a kernel not yet checked, and the kernel itself all run at call time, never
+  while tracing, so a compiled graph only ever calls a backend that passed its check;
+- fake implementation gives the output shapes from the input shapes alone;
+- backward (``register_autograd``) is a second custom op that recomputes the op under autograd and returns
+  its gradients: the same backend and the same arithmetic as eager, at the price of one more forward pass of
+  the op in the backward.
+
+Recurrent states are per segment slot (``[S, ...]``): a zero-length slot passes its initial state through.
+On CUDA the host read of ``cu_seqlens`` cannot be captured in a CUDA graph (``mode="reduce-overhead"``):
+:func:`_packed_boundaries` raises naming the op instead of capturing a wrong graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+
+__all__ = ["PackedCustomOp"]
+
+_LIBRARY = torch.library.Library("hybrid_pack", "DEF")
+_last = threading.local()
+
+Eager = Callable[..., Any]
+"""The eager op: ``eager(*tensors, boundaries, **options)`` returning a tensor or a tuple (None entries allowed)."""
+Fake = Callable[..., Sequence[torch.Tensor]]
+"""``fake(tensors, num_segments, **options)``: empty outputs of the right shapes and dtypes."""
+
+
+def _packed_boundaries(op: str, cu_seqlens: torch.Tensor) -> PackedBoundaries:
+    """The eager boundaries of a static ``cu_seqlens`` (zero-length tail left out), kept for the next call."""
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise InputError(f"hybrid_pack::{op}: cannot be captured in a CUDA graph: it reads the documents' lengths "
+                         "on the host to build the kernel's layout; compile without mode='reduce-overhead'")
+    cached = getattr(_last, "entry", None)
+    if cached is not None and cached[0] is cu_seqlens and cached[1] == cu_seqlens._version:
+        return cached[2]
+    boundaries = PackedBoundaries.from_cu_seqlens(cu_seqlens, static=True)
+    _last.entry = (cu_seqlens, cu_seqlens._version, boundaries)  # holds the tensor: its id cannot be reused
+    return boundaries
+
+
+def _leaf(t: torch.Tensor | None, requires_grad: bool) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.detach().requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
+
+
+def _no_grad(like: torch.Tensor) -> torch.Tensor:
+    """The placeholder gradient of an absent (None) input: an op's outputs cannot be None."""
+    return like.new_empty(0, dtype=torch.float32)
+
+
+def _states_per_slot(out: Any, tensors: Sequence[torch.Tensor | None], state_input: int | None,
+                     num_segments: int) -> list[torch.Tensor]:
+    """The eager op's outputs as a list; a per-document state ``[n, ...]`` padded to the ``[S, ...]`` slots with
+    the unused slots' initial states (zeros without one)."""
+    outputs = list(out) if isinstance(out, tuple) else [out]
+    if len(outputs) == 2 and outputs[1] is not None:
+        state = outputs[1]
+        initial = tensors[state_input] if state_input is not None else None
+        rest = (initial[state.shape[0]:].to(state.dtype) if initial is not None
+                else state.new_zeros((num_segments - state.shape[0], *state.shape[1:])))
+        outputs[1] = torch.cat([state, rest])
+    return [o for o in outputs if o is not None]
+
+
+@dataclass(frozen=True)
+class PackedCustomOp:
+    """One op exposed to the compiler as ``hybrid_pack::<name>`` (forward) and ``hybrid_pack::<name>_backward``.
+
+    Args:
+        name: the op's name in the library.
+        tensors: the op's tensor arguments in order (``"bias?"``: optional).
+        options: schema of its other arguments, e.g. ``"bool causal, float softmax_scale"``.
+        eager: the public op.
+        fake: its outputs' shapes (see :data:`Fake`).
+        state_input: index in ``tensors`` of the initial recurrent state, if the op has one.
+    """
+
+    name: str
+    tensors: tuple[str, ...]
+    options: str
+    eager: Eager
+    fake: Fake
+    state_input: int | None = None
+
+    def __post_init__(self) -> None:
+        args = ", ".join(f"Tensor{'?' if t.endswith('?') else ''} {t.rstrip('?')}" for t in self.tensors)
+        common = f"{args}, Tensor cu_seqlens, {self.options}, str? backend"
+        _LIBRARY.define(f"{self.name}({common}, bool requires_grad) -> Tensor[]")
+        _LIBRARY.define(f"{self.name}_backward(Tensor?[] grads, {common}) -> Tensor[]")
+        _LIBRARY.impl(self.name, self._forward, "CompositeExplicitAutograd")
+        _LIBRARY.impl(f"{self.name}_backward", self._backward, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"hybrid_pack::{self.name}", self._fake_forward, lib=_LIBRARY)
+        torch.library.register_fake(f"hybrid_pack::{self.name}_backward", self._fake_backward, lib=_LIBRARY)
+        torch.library.register_autograd(f"hybrid_pack::{self.name}", self._autograd_backward,
+                                        setup_context=self._setup_context, lib=_LIBRARY)
+
+    @property
+    def option_names(self) -> list[str]:
+        return [item.split()[-1] for item in self.options.split(",")]
+
+    def __call__(self, *tensors: torch.Tensor | None, cu_seqlens: torch.Tensor, backend: str | None,
+                 requires_grad: bool, **options: Any) -> list[torch.Tensor]:
+        """Run the op node: ``tensors`` as in :attr:`tensors`, ``options`` by name."""
+        op = getattr(torch.ops.hybrid_pack, self.name)
+        return op(*tensors, cu_seqlens, *(options[name] for name in self.option_names), backend, requires_grad)
+
+    # -- the parts of a call's arguments
+    def _split(self, args: Sequence[Any]) -> tuple[list[Any], torch.Tensor, dict[str, Any], str | None]:
+        n, names = len(self.tensors), self.option_names
+        return list(args[:n]), args[n], dict(zip(names, args[n + 1:n + 1 + len(names)])), args[n + 1 + len(names)]
+
+    def _run(self, tensors: list[torch.Tensor | None], cu_seqlens: torch.Tensor, options: dict[str, Any],
+             backend: str | None) -> list[torch.Tensor]:
+        boundaries = _packed_boundaries(self.name, cu_seqlens)
+        given = list(tensors)
+        if self.state_input is not None and given[self.state_input] is not None:  # the non-empty slots' states
+            given[self.state_input] = given[self.state_input][:boundaries.num_segments]
+        out = self.eager(*given, boundaries, backend=backend, **options)
+        return _states_per_slot(out, tensors, self.state_input, cu_seqlens.shape[0] - 1)
+
+    # -- forward
+    def _forward(self, *args: Any) -> list[torch.Tensor]:
+        tensors, cu_seqlens, options, backend = self._split(args[:-1])
+        requires_grad = args[-1]
+        # The same backend as the backward's recomputation: both select with requires_grad as given.
+        with torch.enable_grad() if requires_grad else torch.no_grad():
+            outputs = self._run([_leaf(t, requires_grad) for t in tensors], cu_seqlens, options, backend)
+        return [o.detach() for o in outputs]
+
+    def _fake_forward(self, *args: Any) -> list[torch.Tensor]:
+        tensors, cu_seqlens, options, _ = self._split(args[:-1])
+        return list(self.fake(tensors, cu_seqlens.shape[0] - 1, **options))
+
+    # -- backward
+    def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        tensors, cu_seqlens, options, backend = self._split(inputs[:-1])
+        ctx.save_for_backward(*tensors, cu_seqlens)
+        ctx.options, ctx.backend = options, backend
+
+    def _autograd_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        *tensors, cu_seqlens = ctx.saved_tensors
+        op = getattr(torch.ops.hybrid_pack, f"{self.name}_backward")
+        out = op(list(grads), *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names), ctx.backend)
+        input_grads = [g if needed and t is not None else None
+                       for g, t, needed in zip(out, tensors, ctx.needs_input_grad, strict=False)]
+        return (*input_grads, *([None] * (len(ctx.needs_input_grad) - len(tensors))))
+
+    def _backward(self, grads: list[torch.Tensor | None], *args: Any) -> list[torch.Tensor]:
+        tensors, cu_seqlens, options, backend = self._split(args)
+        with torch.enable_grad():
+            leaves = [_leaf(t, True) for t in tensors]
+            outputs = self._run(leaves, cu_seqlens, options, backend)
+            pairs = [(o, g) for o, g in zip(outputs, grads, strict=False) if g is not None and o.requires_grad]
+            wrt = [t for t in leaves if t is not None and t.requires_grad]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                       if pairs and wrt else [None] * len(wrt))
+        result = []
+        for t in leaves:
+            g = next(got) if t is not None and t.requires_grad else None
+            result.append(g if g is not None else torch.zeros_like(t) if t is not None else _no_grad(cu_seqlens))
+        return result
+
+    def _fake_backward(self, grads: list[Any], *args: Any) -> list[torch.Tensor]:
+        tensors, cu_seqlens, _, _ = self._split(args)
+        return [torch.empty_like(t) if t is not None else _no_grad(cu_seqlens) for t in tensors]

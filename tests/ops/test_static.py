@@ -1,0 +1,104 @@
+"""Every op on static boundaries (SPEC §9): the same results as on the plain boundaries of the same documents,
+forward and backward, and one compiled graph for every layout of the same shapes.
+
+Static boundaries end in zero-length segments (the unused document slots); the ops leave them out before any
+backend runs (:mod:`hybrid_pack.ops.library`), so no kernel ever sees one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_pack import PackedBoundaries
+from hybrid_pack.boundaries import StaticBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.library import _packed_boundaries
+from tests import kit
+from tests.kit import Layout
+
+MAX_DOCUMENTS = 6
+LAYOUTS = kit.named(
+    Layout("padding_and_unused_slots", (5, 9, 3), num_pad_tokens=7),
+    Layout("every_slot_no_padding", (4, 4, 1, 7, 2, 6)),
+    Layout("every_slot_and_padding", (4, 4, 1, 7, 2, 1), num_pad_tokens=5),
+    Layout("one_document", (24,)),
+)
+SIGNATURES = {
+    "attention": kit.attention_signature(heads=4, kv_heads=2),
+    "conv": kit.conv_signature(activation="silu"),
+    "gated_delta": kit.gated_delta_signature(heads=2, v_heads=4, use_qk_l2norm=True),
+    "ssd": kit.ssd_signature(D="H", z=True, dt_bias=True, chunk_size=4),
+}
+
+
+def _static(boundaries: PackedBoundaries) -> StaticBoundaries:
+    return StaticBoundaries.from_boundaries(boundaries, MAX_DOCUMENTS)
+
+
+def _forward_backward(op: str, fn: kit.OpFn, case: kit.CheckCase, boundaries: PackedBoundaries
+                      ) -> dict[str, torch.Tensor]:
+    """:func:`kit.forward_backward` on the static form; the final states of the unused slots and of the padding
+    segment (outputs the plain form does not have) are checked, then left out of the loss."""
+    outputs = kit.run(op, fn, case, _static(boundaries))
+    if "final_state" in outputs:
+        states = outputs["final_state"]
+        assert states.shape[0] == MAX_DOCUMENTS + 1
+        unused = states[boundaries.num_segments:]
+        assert torch.equal(unused, torch.zeros_like(unused)), "an unused slot's final state is its initial one"
+        outputs["final_state"] = states[:boundaries.num_docs]
+    weights = kit.projection(outputs, seed=1)
+    loss = sum((out.double() * weights[name]).sum() for name, out in outputs.items())
+    return outputs | kit.gradients(loss, case.arguments)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", SIGNATURES)
+def test_static_boundaries_give_the_plain_results(op: str, layout: str) -> None:
+    boundaries = LAYOUTS[layout].boundaries()
+    case = kit.op_inputs(op, SIGNATURES[op], boundaries)
+    plain = kit.forward_backward(op, kit.public_op(op), case, boundaries)
+    static = _forward_backward(op, kit.public_op(op), case, boundaries)
+    for name, expected in plain.items():
+        assert torch.equal(static[name], expected), f"{op} {name}: static differs from plain"
+
+
+def test_states_are_per_slot() -> None:
+    """An initial state per slot: the documents start from theirs, an unused slot passes its own through."""
+    boundaries = LAYOUTS["padding_and_unused_slots"].boundaries()
+    case = kit.op_inputs("gated_delta", kit.gated_delta_signature(initial_state=True), boundaries)
+    slots = torch.randn(MAX_DOCUMENTS + 1, *case.arguments["initial_state"].shape[1:], dtype=torch.float64)
+    static = kit.run("gated_delta", kit.public_op("gated_delta"), case, _static(boundaries),
+                     case.arguments | {"initial_state": slots})
+    plain = kit.run("gated_delta", kit.public_op("gated_delta"), case, boundaries,
+                    case.arguments | {"initial_state": slots[:boundaries.num_docs]})
+    assert torch.equal(static["output"][:, :sum(boundaries.document_lengths)],
+                       plain["output"][:, :sum(boundaries.document_lengths)])
+    assert torch.equal(static["final_state"][:boundaries.num_docs], plain["final_state"])
+    assert torch.equal(static["final_state"][boundaries.num_segments:], slots[boundaries.num_segments:])
+
+
+def test_kernels_never_see_zero_length_segments() -> None:
+    cu_seqlens = _static(LAYOUTS["padding_and_unused_slots"].boundaries()).cu_seqlens
+    assert cu_seqlens.tolist() == [0, 5, 14, 17, 24, 24, 24, 24]
+    assert _packed_boundaries("test", cu_seqlens).segment_lengths == (5, 9, 3, 7)
+
+
+def test_too_many_documents_name_max_documents() -> None:
+    with pytest.raises(InputError, match="max_documents"):
+        _static(PackedBoundaries.from_lengths([1] * (MAX_DOCUMENTS + 1)))
+
+
+@pytest.mark.parametrize("op", SIGNATURES)
+def test_one_graph_for_every_layout(op: str) -> None:
+    """The op compiles with no graph break and never recompiles across layouts of the same (T, M)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(kit.public_op(op), backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for layout in LAYOUTS.values():
+            boundaries = layout.boundaries()
+            case = kit.op_inputs(op, SIGNATURES[op], boundaries)
+            expected = kit.forward_backward(op, kit.public_op(op), case, boundaries)
+            got = _forward_backward(op, compiled, case, boundaries)
+            for name, value in expected.items():
+                kit.assert_close(got[name], value, f"{op} {name} ({layout.name})", tol=1e-12)
