@@ -150,6 +150,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
         guard = metrics["guard"]
         table.add_row(f"runtime guard (every {guard['every']} packed calls)",
                       f"{guard['checks']} checks, no leak (max diff {guard['max_diff'] or 0:.1e})")
+    if "guard_off" in metrics:
+        table.add_row("runtime guard", f"OFF: {metrics['guard_off']}")
     if "compiles" in metrics:
         table.add_row("compiled, static batches", f"[1, {metrics['pack_length']}], up to {metrics['max_documents']} "
                       f"documents: {metrics['compiles']} compilation(s)")

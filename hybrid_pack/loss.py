@@ -67,6 +67,9 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Pa
         aligned with the logits instead: ``logprobs[:, t]`` is ``log p(labels[:, t] | tokens <= t)``.
     """
     _check_shapes(logits, labels, boundaries)
+    if isinstance(boundaries, ShardedBoundaries) and not shifted:
+        raise InputError("labels: a context-parallel shard's last target is the next rank's first label; pass the "
+                         "shard's shift_labels from shard_batch with shifted=True (the model takes shift_labels=)")
     targets = labels if shifted else shift_labels(labels, boundaries)[:, :-1]
     logits = (logits if shifted else logits[:, :-1]).to(torch.promote_types(logits.dtype, torch.float32))
     nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")

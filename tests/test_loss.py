@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
+from hybrid_pack.errors import InputError
 from hybrid_pack.loss import token_logprobs
+from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import assert_close
 
 VOCAB = 37
@@ -186,3 +188,12 @@ def test_bad_inputs_raise() -> None:
         packed_loss(logits, labels, boundaries=PackedBoundaries.from_lengths([2, 3]))
     with pytest.raises(ValueError, match="num_items_in_batch"):
         packed_loss(logits, labels, num_items_in_batch=0)
+
+
+def test_unshifted_labels_on_a_context_parallel_shard_raise() -> None:
+    row = PackedBoundaries.from_document_lengths([3, 5])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=2)
+    logits, labels = torch.randn(1, 4, 7), torch.randint(0, 7, (1, 4))
+    with pytest.raises(InputError, match="shift_labels"):
+        packed_loss(logits, labels, boundaries=shard)
+    assert torch.isfinite(packed_loss(logits, labels, boundaries=shard, shifted=True))

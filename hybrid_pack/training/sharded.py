@@ -3,7 +3,7 @@
 Every decoder block and the root are sharded over all ranks (:func:`hybrid_pack.parallel.fsdp.apply_fsdp`),
 in bf16 mixed precision where the device has it (CUDA; on CPU the run stays float32). A checkpoint is a
 directory: the sharded model and optimizer states written by every rank through DCP (``get_state_dict`` /
-``set_state_dict``, so it loads on another world size too), and each rank's run state (schedule, its sampler
+``set_state_dict``), and each rank's run state (schedule, its sampler
 position, the stats, its random state) in ``rank<r>.pt``. A resumed run continues exactly where it stopped.
 """
 
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from hybrid_pack.distributed import agree_max
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.parallel.fsdp import apply_fsdp, mixed_precision
@@ -99,9 +100,9 @@ def load_sharded_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch
                             sampler: PackedBatchSampler) -> tuple[int, RunStats]:
     """Restore a checkpoint :func:`save_sharded_checkpoint` wrote; return the step to continue from and the stats."""
     run_file = path / f"rank{dist.get_rank()}.pt"
-    if not run_file.is_file():
-        raise InputError(f"resume: no sharded checkpoint for this rank at {run_file}; train with --fsdp without "
-                         "--resume first, on as many ranks")
+    if agree_max([float(not run_file.is_file())])[0]:  # every rank raises, or none: the others would wait in load
+        raise InputError(f"resume: no sharded checkpoint for every rank at {path} (rank<r>.pt); train with --fsdp "
+                         "without --resume first, on as many ranks")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.distributed import end_process_group
+from hybrid_pack.distributed import agree_max, end_process_group
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
@@ -136,6 +136,9 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
         metrics.update(pack_length=cfg.capacity, max_documents=int(sampler.plan.pack_num_documents.max()))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
     guarded = cfg.guard_every and proc.mesh is None  # the guard checks whole rows, not context-parallel shards
+    if cfg.guard_every and not guarded:
+        metrics["guard_off"] = ("context-parallel shards: the guard checks whole rows; prove isolation with "
+                                "check_isolation (hybrid-pack check) on the unsharded model")
     guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed,
                          group=dist.group.WORLD if proc.world > 1 else None).attach() if guarded else None
     try:
@@ -256,7 +259,7 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
     saver = (ShardedCheckpointSaver if cfg.fsdp else CheckpointSaver)(
         proc.out / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT), model, optimizer, scheduler, sampler, stats,
         every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
-    reporter = Reporter(report_targets(cfg.report_to) if proc.rank == 0 else (), proc.out, cfg.to_dict())
+    reporter = _start_reporter(cfg, proc)
 
     def after_step(step: int) -> None:
         saver(step)
@@ -279,6 +282,21 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
         if max_documents:
             del model.forward  # the padded comparison (other shapes) runs eagerly
             stats.compiles = counters["stats"]["unique_graphs"] - graphs_before
+
+
+def _start_reporter(cfg: TrainConfig, proc: _Process) -> Reporter:
+    """``--report-to`` on rank 0. Every rank learns whether it started: one rank raising alone would leave the
+    others waiting at the first collective."""
+    try:
+        reporter, error = Reporter(report_targets(cfg.report_to) if proc.rank == 0 else (), proc.out,
+                                   cfg.to_dict()), None
+    except Exception as err:  # wandb or TensorBoard failing to start (login, network, a full disk)
+        reporter, error = None, err
+    if proc.world > 1 and agree_max([float(error is not None)])[0] and error is None:
+        raise InputError("report_to: the reporting integration failed to start on rank 0 (its error is there)")
+    if error is not None:
+        raise error
+    return reporter
 
 
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],

@@ -140,11 +140,12 @@ TRAIN_SETTINGS = {"max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": 
                   "overflow": "truncate"}
 
 
-def _train_under_torchrun(out: Path, nproc: int, *options: str) -> dict:
+def _train_under_torchrun(out: Path, nproc: int, *options: str, **settings: object) -> dict:
     import hybrid_pack.cli
 
+    settings = {**TRAIN_SETTINGS, **settings}
     torchrun(Path(hybrid_pack.cli.__file__), "train", "--out", str(out), "--no-progress", *options,
-             *[f"--{key.replace('_', '-')}={value}" for key, value in TRAIN_SETTINGS.items()], processes=nproc)
+             *[f"--{key.replace('_', '-')}={value}" for key, value in settings.items()], processes=nproc)
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -165,8 +166,10 @@ def test_train_with_context_parallel_2_equals_one_process(tmp_path, lfm2_directo
     from hybrid_pack.training import TrainConfig, train
 
     one = train(TrainConfig(model=str(lfm2_directory), out=str(tmp_path / "one"), progress=False, **TRAIN_SETTINGS))
-    sharded = _train_under_torchrun(tmp_path / "cp", 2, "--model", str(lfm2_directory), "--context-parallel", "2")
+    sharded = _train_under_torchrun(tmp_path / "cp", 2, "--model", str(lfm2_directory), "--context-parallel", "2",
+                                    guard_every=1)
     assert sharded["world_size"] == 2 and sharded["context_parallel"] == 2
+    assert "guard" not in sharded and "context-parallel" in sharded["guard_off"]  # off, and said so
     assert sharded["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert sharded["parameters_checksum"] == pytest.approx(one["parameters_checksum"], rel=1e-5)
 

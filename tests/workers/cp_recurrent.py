@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hybrid_pack.distributed import end_process_group, exit_without_finalizing
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import gated_delta_rule
-from hybrid_pack.ops.dispatch.cp_check import adversarial_cp_row, cp_verdict
+from hybrid_pack.ops.dispatch.cp_check import adversarial_cp_row, cp_verdict, rank_arguments
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import (
     Layout,
@@ -60,21 +60,6 @@ def _worst(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).abs() / (1 + e.abs())).max().item() if a.numel() else 0.0
 
 
-def _local_arguments(case, row, sharded: ShardedBoundaries) -> dict:
-    """This rank's inputs: its slice of every per-token tensor, its documents' initial states, every
-    other tensor shared; each a fresh leaf."""
-    lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
-    docs = slice(sharded.first_segment, sharded.first_segment + sharded.num_docs)
-    local = {}
-    for name, value in case.arguments.items():
-        if isinstance(value, torch.Tensor):
-            value = value[:, lo:hi] if name in case.token_inputs else value[docs] if name in case.document_inputs \
-                else value
-            value = value.detach().clone().requires_grad_(value.is_floating_point())
-        local[name] = value
-    return local
-
-
 def _ending_here(sharded: ShardedBoundaries) -> list[int]:
     """Local documents whose last token is on this rank."""
     return [i for i in range(sharded.num_docs)
@@ -99,7 +84,7 @@ def compare(name: str, signature, row, sharded: ShardedBoundaries, sharded_fn=No
 
     lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
     first, ending = sharded.first_segment, _ending_here(sharded)
-    local_args = _local_arguments(case, row, sharded)
+    local_args = rank_arguments(case, sharded)
     local = run(kind, sharded_fn, case, sharded, local_args)
     errors = {"output": _worst(local["output"], full["output"][:, lo:hi])}
     loss = (local["output"] * weights["output"][:, lo:hi]).sum()
@@ -128,7 +113,7 @@ def leaked(name: str, signature, row, sharded: ShardedBoundaries, document: int)
     document's tokens or initial state (must be exactly 0), and the largest on its own (should not be)."""
     kind = op_of(name)
     case = op_inputs(kind, signature, row, seed=2)
-    local_args = _local_arguments(case, row, sharded)
+    local_args = rank_arguments(case, sharded)
     out = run(kind, public_op(kind), case, sharded, local_args)["output"]
     lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
     mine = (row.seq_idx[0, lo:hi] == document).to(out.dtype).view(1, -1, *[1] * (out.dim() - 2))

@@ -9,6 +9,7 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.cp import varlen_attention_cp
+from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
@@ -46,8 +47,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return STATIC_OP(q, k, v, cu_seqlens=boundaries.cu_seqlens, backend=backend, requires_grad=needs_grad(q, k, v),
                          causal=causal, softmax_scale=scale)[0]
     if isinstance(boundaries, ShardedBoundaries):
-        return varlen_attention_cp(varlen_attention, q, k, v, boundaries, causal=causal, softmax_scale=scale,
-                                   backend=backend)
+        # Ranks of one row make different local calls (a continuing document, widened values): each rank
+        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
+        # different keys across ranks and hang.
+        with rank_local():
+            return varlen_attention_cp(varlen_attention, q, k, v, boundaries, causal=causal, softmax_scale=scale,
+                                       backend=backend)
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype, requires_grad=needs_grad(q, k, v),
                    inputs={"q": q, "k": k, "v": v, "causal": causal}, signature=signature_of(q, k, v, causal))
     return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)

@@ -31,7 +31,8 @@ from hybrid_pack.ops.dispatch.selector import verification_enabled
 from hybrid_pack.ops.dispatch.selfcheck import TOLERANCE, relative_error
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
-__all__ = ["CPBackend", "register_cp_backend", "cp_backends", "adversarial_cp_row", "cp_verdict", "cp_backend_serves"]
+__all__ = ["CPBackend", "register_cp_backend", "cp_backends", "adversarial_cp_row", "cp_verdict", "cp_backend_serves",
+           "rank_arguments"]
 
 TOKENS_PER_RANK = 128
 _VERDICTS: dict[tuple[Any, ...], str] = {}
@@ -74,8 +75,9 @@ def adversarial_cp_row(world_size: int, device: torch.device | str | None = None
     return PackedBoundaries.from_document_lengths(documents, num_pad_tokens=total - sum(documents), device=device)
 
 
-def _slice(case: Any, sharded: ShardedBoundaries) -> dict[str, Any]:
-    """This rank's inputs (fresh leaves that require grad): its slice of every per-token tensor."""
+def rank_arguments(case: Any, sharded: ShardedBoundaries) -> dict[str, Any]:
+    """This rank's inputs of a check case (fresh leaves, floating ones requiring grad): its slice of every
+    per-token tensor, its documents' rows of every per-document tensor, every other tensor shared."""
     lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
     docs = slice(sharded.first_segment, sharded.first_segment + sharded.num_docs)
     local = {}
@@ -90,7 +92,7 @@ def _slice(case: Any, sharded: ShardedBoundaries) -> dict[str, Any]:
 
 def _outputs_and_grads(op: str, fn: Callable[..., Any], case: Any, sharded: ShardedBoundaries,
                        requires_grad: bool) -> list[torch.Tensor]:
-    args = _slice(case, sharded)
+    args = rank_arguments(case, sharded)
     tokens, _ = contract_of(op).outputs(case.call(fn, sharded, args))
     generator = torch.Generator().manual_seed(1)
     weights = [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device) for t in tokens]

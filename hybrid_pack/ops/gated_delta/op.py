@@ -7,6 +7,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
@@ -64,9 +65,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
         return out[0], out[1] if output_final_state else None
     if isinstance(boundaries, ShardedBoundaries):
-        return gated_delta_rule_cp(gated_delta_rule, q, k, v, g, beta, boundaries, scale=scale,
-                                   initial_state=initial_state, output_final_state=output_final_state,
-                                   use_qk_l2norm=use_qk_l2norm, backend=backend)
+        # Ranks of one row make different local calls (a continuing document, widened values): each rank
+        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
+        # different keys across ranks and hang.
+        with rank_local():
+            return gated_delta_rule_cp(gated_delta_rule, q, k, v, g, beta, boundaries, scale=scale,
+                                       initial_state=initial_state, output_final_state=output_final_state,
+                                       use_qk_l2norm=use_qk_l2norm, backend=backend)
     impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype,
                    requires_grad=needs_grad(q, k, v, g, beta, initial_state),
                    inputs={"q": q, "k": k, "v": v, "g": g, "beta": beta},

@@ -7,6 +7,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
@@ -65,9 +66,13 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
     if isinstance(boundaries, ShardedBoundaries):
-        return mamba2_ssd_cp(mamba2_ssd, x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias,
-                             dt_softplus=dt_softplus, chunk_size=chunk_size, initial_states=initial_states,
-                             return_final_states=return_final_states, backend=backend)
+        # Ranks of one row make different local calls (a continuing document, widened values): each rank
+        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
+        # different keys across ranks and hang.
+        with rank_local():
+            return mamba2_ssd_cp(mamba2_ssd, x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias,
+                                 dt_softplus=dt_softplus, chunk_size=chunk_size, initial_states=initial_states,
+                                 return_final_states=return_final_states, backend=backend)
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
     if static:
         out = STATIC_OP(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens=boundaries.cu_seqlens,
