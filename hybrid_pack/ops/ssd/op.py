@@ -65,6 +65,12 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     check_shape("initial_states", initial_states, (boundaries.num_segments if static else boundaries.num_docs, h, p, n))
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
+    requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    if static:
+        out = STATIC_OP(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens=boundaries.cu_seqlens,
+                        backend=backend, requires_grad=requires_grad, dt_softplus=dt_softplus, chunk_size=chunk_size,
+                        return_final_states=return_final_states)
+        return (out[0], out[1]) if return_final_states else out[0]
     if isinstance(boundaries, ShardedBoundaries):
         # Ranks of one row make different local calls (a continuing document, widened values): each rank
         # uses backends that passed its own self-check; agreeing verdicts by call order could pair
@@ -73,12 +79,6 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
             return mamba2_ssd_cp(mamba2_ssd, x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias,
                                  dt_softplus=dt_softplus, chunk_size=chunk_size, initial_states=initial_states,
                                  return_final_states=return_final_states, backend=backend)
-    requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
-    if static:
-        out = STATIC_OP(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens=boundaries.cu_seqlens,
-                        backend=backend, requires_grad=requires_grad, dt_softplus=dt_softplus, chunk_size=chunk_size,
-                        return_final_states=return_final_states)
-        return (out[0], out[1]) if return_final_states else out[0]
     impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=requires_grad,
                    inputs={"x": x, "B": B, "chunk_size": chunk_size, "initial_states": initial_states,
                            "return_final_states": return_final_states, "requires_grad": requires_grad},
