@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
-__all__ = ["FLA_CP", "fla_cp_device_reason", "fla_cp_group_reason", "fla_cp_context"]
+__all__ = ["FLA_CP", "fla_cp_device_reason", "fla_cp_group_reason", "fla_cp_reason", "fla_cp_context"]
 
 FLA_CP = "fla_cp"
 """The backend name of fla's context parallelism, for every op that has it (``backend="fla_cp"`` forces it)."""
@@ -48,6 +48,14 @@ def fla_cp_group_reason(boundaries: ShardedBoundaries) -> str:
     if boundaries.layout != "contiguous":
         return f"fla's context parallelism is wired here for the contiguous layout only, not {boundaries.layout!r}"
     return ""
+
+
+def fla_cp_reason(device_reason: str, boundaries: ShardedBoundaries, dtype: torch.dtype) -> str:
+    """Why fla's context parallelism cannot take a call ("" when it can, pending the self-check): the op's own
+    ``device_reason``, then the group and layout, then the dtype. Starts no collective."""
+    supported = dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return (device_reason or fla_cp_group_reason(boundaries)
+            or ("" if supported else f"fla's kernels take float16, bfloat16 or float32, not {dtype}"))
 
 
 def fla_cp_context(boundaries: ShardedBoundaries, device: torch.device, conv_width: int | None = None) -> Any:

@@ -43,6 +43,11 @@ Fake = Callable[..., Sequence[torch.Tensor]]
 """``fake(tensors, num_segments, **options)``: empty outputs of the right shapes and dtypes."""
 
 
+def like_first_input(tensors: Sequence[torch.Tensor | None], num_segments: int, **options: Any) -> list[torch.Tensor]:
+    """The fake of an op whose one output has the shape and dtype of its first input (attention, the conv)."""
+    return [tensors[0].new_empty(tensors[0].shape)]
+
+
 def _packed_boundaries(op: str, cu_seqlens: torch.Tensor) -> PackedBoundaries:
     """The eager boundaries of a static ``cu_seqlens`` (zero-length tail left out), kept for the next call."""
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -90,7 +95,7 @@ class PackedCustomOp:
         tensors: the op's tensor arguments in order (``"bias?"``: optional).
         options: schema of its other arguments, e.g. ``"bool causal, float softmax_scale"``.
         eager: the public op.
-        fake: its outputs' shapes (see :data:`Fake`).
+        fake: its outputs' shapes (see :data:`Fake`; default: one output like the first input).
         state_input: index in ``tensors`` of the initial recurrent state, if the op has one.
     """
 
@@ -98,7 +103,7 @@ class PackedCustomOp:
     tensors: tuple[str, ...]
     options: str
     eager: Eager
-    fake: Fake
+    fake: Fake = like_first_input
     state_input: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Shape checks shared by the public ops: packed inputs are ``[1, T, ...]`` matching the boundaries."""
+"""Conventions shared by the public ops: packed inputs are ``[1, T, ...]`` matching the boundaries; recurrent
+states are float32 (float64 for float64 inputs)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) ->
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an op on these inputs."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype recurrent states are kept and accumulated in for inputs of ``dtype``: float64 stays float64,
+    everything else is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

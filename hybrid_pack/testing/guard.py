@@ -50,7 +50,7 @@ from hybrid_pack.schema import (
     SEQ_IDX,
 )
 from hybrid_pack.testing.isolation import _logits, _origin, _record_calls, dtype_tolerance
-from hybrid_pack.testing.ranks import global_rank, model_group
+from hybrid_pack.testing.ranks import model_group
 
 __all__ = ["ACTIONS", "GuardRecord", "IsolationWarning", "PackingGuard"]
 
@@ -396,8 +396,8 @@ def _agree_on_leak(leak: _Leak | None, group: Group) -> _Leak | None:
         1.0, leak.diff, leak.atol, float(leak.start), float(leak.length), float(leak.doc)]
     for group_rank, (found, diff, atol, start, length, doc) in enumerate(gather_rows(mine, group)):
         if found:
-            return _Leak(rank=global_rank(group, group_rank), doc=int(doc), start=int(start), length=int(length),
-                         diff=diff, atol=atol, group_rank=group_rank)
+            return _Leak(rank=dist.get_global_rank(group, group_rank), doc=int(doc), start=int(start),
+                         length=int(length), diff=diff, atol=atol, group_rank=group_rank)
     return None
 
 

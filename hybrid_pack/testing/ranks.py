@@ -13,7 +13,7 @@ from torch import nn
 
 from hybrid_pack.distributed import Group
 
-__all__ = ["global_rank", "model_group"]
+__all__ = ["model_group"]
 
 
 def model_group(model: nn.Module, group: Group | None = None) -> Group | None:
@@ -47,8 +47,3 @@ def _sharding_group(model: nn.Module) -> Group | None:
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return dist.group.WORLD
     return None
-
-
-def global_rank(group: Group, group_rank: int) -> int:
-    """The world rank of ``group``'s rank ``group_rank`` (what ``RANK`` says in that process)."""
-    return dist.get_global_rank(group, group_rank)

@@ -42,7 +42,7 @@ from hybrid_pack.schema import (
     NUM_PAD_TOKENS,
 )
 from hybrid_pack.testing.isolation import _first_backward_leak, _max_abs, _origin, _record_calls, dtype_tolerance
-from hybrid_pack.testing.ranks import global_rank, model_group
+from hybrid_pack.testing.ranks import model_group
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
 __all__ = ["check_training_step", "is_trainer"]
@@ -321,14 +321,14 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
 
 def _group_rank(group: Group, rank: int | None) -> int:
     """The group rank of world rank ``rank`` (0 when None)."""
-    return next((r for r in range(dist.get_world_size(group)) if global_rank(group, r) == rank), 0)
+    return 0 if rank is None else dist.get_group_rank(group, rank)
 
 
 def _agree_on_layout(layout: LayoutResult, group: Group) -> None:
     """``layout.ok`` on every rank: False wherever any rank's batch leaked, ``leak_rank`` naming the first."""
     finders = [r for r, (leaked,) in enumerate(gather_rows([float(not layout.ok)], group)) if leaked]
     if finders:
-        layout.ok, layout.leak_rank = False, global_rank(group, finders[0])
+        layout.ok, layout.leak_rank = False, dist.get_global_rank(group, finders[0])
 
 
 def _logit_scale(logits: torch.Tensor) -> float:

@@ -58,5 +58,4 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)
 
 
-STATIC_OP = PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention,
-                           fake=lambda tensors, num_segments, **options: [tensors[0].new_empty(tensors[0].shape)])
+STATIC_OP = PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention)

@@ -21,7 +21,7 @@ import torch
 
 from hybrid_pack.ops.conv.check import OP, signature_of
 from hybrid_pack.ops.dispatch.cp_check import cp_backend_serves, register_cp_backend
-from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_device_reason, fla_cp_group_reason
+from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_device_reason, fla_cp_reason
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["fla_cp_refusal", "causal_conv1d_fla_cp", "fla_cp_serves"]
@@ -31,12 +31,7 @@ register_cp_backend(OP, FLA_CP, fla_cp_device_reason)
 
 def fla_cp_refusal(x: torch.Tensor, boundaries: ShardedBoundaries) -> str:
     """Why fla's context-parallel conv cannot take this call ("" when it can, pending the self-check)."""
-    reason = fla_cp_device_reason(x.device) or fla_cp_group_reason(boundaries)
-    if reason:
-        return reason
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"fla's kernels take float16, bfloat16 or float32, not {x.dtype}"
-    return ""
+    return fla_cp_reason(fla_cp_device_reason(x.device), boundaries, x.dtype)
 
 
 def causal_conv1d_fla_cp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

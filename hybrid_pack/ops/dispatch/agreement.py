@@ -9,8 +9,9 @@ verdict with no collective.
 
 Ranks establish keys in the same order because they run the same model: a key is made of the op and the
 non-token sizes of its call, never of the tokens a rank's row holds. Code that runs on some ranks only
-(rank-0 evaluation, say), and ranks that run different layers (pipeline stages), must not agree over the
-world: run it inside :func:`rank_local`.
+(rank-0 evaluation, say), ranks that run different layers (pipeline stages) and the ranks of a
+context-parallel row (whose local calls differ: the ops' ``cp.py`` paths) must not agree over the world: they
+run inside :func:`rank_local`.
 """
 
 from __future__ import annotations

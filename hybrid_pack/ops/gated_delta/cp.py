@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves, gated_delta_rule_fla_cp
+from hybrid_pack.ops.validate import state_dtype
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
     fold,
@@ -72,15 +73,16 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
                         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
 
     num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
-    state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype_of_states = state_dtype(v.dtype)
     continues = boundaries.continues_from_previous
     segments = segments_as_documents(boundaries)
-    starts = segment_initial_states(initial_state, boundaries, state_dtype)
+    starts = segment_initial_states(initial_state, boundaries, dtype_of_states)
     if continues:
         # Widen the values by K zero columns whose state starts as the identity in the first segment.
         v = torch.cat([v, v.new_zeros(*v.shape[:3], k_dim)], dim=-1)
-        identity = torch.zeros(boundaries.num_segments, num_v_heads, k_dim, k_dim, dtype=state_dtype, device=v.device)
-        identity[0] = torch.eye(k_dim, dtype=state_dtype, device=v.device)
+        identity = torch.zeros(boundaries.num_segments, num_v_heads, k_dim, k_dim, dtype=dtype_of_states,
+                               device=v.device)
+        identity[0] = torch.eye(k_dim, dtype=dtype_of_states, device=v.device)
         zeros = identity.new_zeros(boundaries.num_segments, num_v_heads, k_dim, v_dim)
         starts = torch.cat([zeros if starts is None else starts, identity], dim=-1)
     o, finals = local_op(q, k, v, g, beta, segments, scale=scale, initial_state=starts, output_final_state=True,
@@ -101,7 +103,7 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
     incoming = fold(chain, summaries, unpack, torch.matmul)               # [HV, K, V] or None
     if incoming is not None:
         first = boundaries.segment_lengths[0]
-        correction = torch.einsum("thk,hkv->thv", u[0, :first].to(state_dtype), incoming).to(o.dtype)
+        correction = torch.einsum("thk,hkv->thv", u[0, :first].to(dtype_of_states), incoming).to(o.dtype)
         o = torch.cat([o[:, :first] + correction, o[:, first:]], dim=1)
         finals = torch.cat([finals[:1] + transition @ incoming, finals[1:]])
     o = tie(o, summaries)

@@ -24,7 +24,7 @@ import torch
 
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.cp_check import cp_backend_serves, register_cp_backend
-from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_device_reason, fla_cp_group_reason
+from hybrid_pack.ops.fla_cp import FLA_CP, fla_cp_context, fla_cp_device_reason, fla_cp_reason
 from hybrid_pack.ops.gated_delta import fla_hopper
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.kernel_fla import MAX_HEAD_DIM
@@ -47,15 +47,13 @@ register_cp_backend(OP, FLA_CP, device_reason)
 def fla_cp_refusal(q: torch.Tensor, boundaries: ShardedBoundaries, *, initial_state: torch.Tensor | None,
                    output_final_state: bool) -> str:
     """Why fla's context parallelism cannot take this call ("" when it can, pending the self-check)."""
-    reason = device_reason(q.device) or fla_cp_group_reason(boundaries)
+    reason = fla_cp_reason(device_reason(q.device), boundaries, q.dtype)
     if reason:
         return reason
     if initial_state is not None or output_final_state:
         return "fla's context parallelism takes no initial states and returns no final states"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"fla's chunk_gated_delta_rule takes key head dims up to {MAX_HEAD_DIM}; got {q.shape[-1]}"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"fla's kernels take float16, bfloat16 or float32, not {q.dtype}"
     return ""
 
 

@@ -12,7 +12,7 @@ from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, state_dtype
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
@@ -90,8 +90,8 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state: bool,
           **options: object) -> list[torch.Tensor]:
     q, k, v = tensors[:3]
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=state_dtype)]
+    dtype_of_states = state_dtype(q.dtype)
+    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=dtype_of_states)]
     return [v.new_empty(v.shape), *(state if output_final_state else [])]
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt
+from hybrid_pack.ops.validate import state_dtype
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
     fold,
@@ -61,7 +62,7 @@ def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
                   return_final_states=return_final_states)
 
     heads, head_dim, groups, state_dim = x.shape[2], x.shape[3], B.shape[2], B.shape[3]
-    cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cdtype = state_dtype(x.dtype)
     continues = boundaries.continues_from_previous
     starts = segment_initial_states(initial_states, boundaries, cdtype, padding=False)
     result = op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=starts,

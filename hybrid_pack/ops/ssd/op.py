@@ -12,7 +12,7 @@ from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, state_dtype
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
@@ -98,8 +98,8 @@ def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
 def _fake(tensors: list[torch.Tensor], num_segments: int, *, return_final_states: bool,
           **options: object) -> list[torch.Tensor]:
     x, B = tensors[0], tensors[3]
-    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    states = [x.new_empty((num_segments, x.shape[2], x.shape[3], B.shape[3]), dtype=state_dtype)]
+    dtype_of_states = state_dtype(x.dtype)
+    states = [x.new_empty((num_segments, x.shape[2], x.shape[3], B.shape[3]), dtype=dtype_of_states)]
     return [x.new_empty(x.shape), *(states if return_final_states else [])]
 
 

@@ -24,11 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import ChunkLayout, PackedBoundaries
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else is computed in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from hybrid_pack.ops.validate import state_dtype
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
@@ -85,7 +81,7 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     _, _, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
     heads_per_group = heads // groups
-    cdtype = _compute_dtype(x.dtype)
+    cdtype = state_dtype(x.dtype)
     layout = boundaries.chunk_layout(chunk_size)
     rows, size = layout.num_rows, layout.chunk_size
 
