@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from hybrid_pack import PackingCollator
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import BoundaryError
-from hybrid_pack.integrations.transformers import packed_row, patch_model
+from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model
 from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX
 from hybrid_pack.testing import check_isolation, check_training_step
@@ -86,11 +86,10 @@ def test_mixer_reached_past_every_entry_refuses_packed_keys(family: str) -> None
     mixer = getattr(model.base_model.layers[0], MIXERS[family])
     batch = _batch()
     hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size)
-    refusal = rf"{type(mixer).__name__}: received {CU_SEQ_LENS_Q}.*{SEQ_IDX}.*packed_row"
+    refusal = rf"{type(mixer).__name__}: received {CU_SEQ_LENS_Q}.*{SEQ_IDX}.*boundaries=.*from_batch"
     with pytest.raises(BoundaryError, match=refusal):
         mixer(hidden, seq_idx=batch[SEQ_IDX], cu_seq_lens_q=batch[CU_SEQ_LENS_Q])
-    with packed_row(PackedBoundaries.from_batch(batch)):     # the fix the error names
-        packed = mixer(hidden)
+    packed = mixer(hidden, boundaries=PackedBoundaries.from_batch(batch))     # the fix the error names
     second = slice(LENGTHS[0], LENGTHS[0] + LENGTHS[1])
     with pure_torch_transformers(model):
         torch.testing.assert_close(packed[:, second], mixer(hidden[:, second]), rtol=1e-5, atol=1e-5)

@@ -131,8 +131,11 @@ def test_unsupported_model_is_refused() -> None:
 
 def test_patch_is_idempotent() -> None:
     model = patch_model(tiny_model("mamba2"))
-    forward = model.forward
-    assert patch_model(model) is model and model.forward is forward
+    hooks = {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
+    mixer_forward = model.backbone.layers[0].mixer.forward
+    assert patch_model(model) is model
+    assert {name: len(m._forward_pre_hooks) for name, m in model.named_modules()} == hooks
+    assert model.backbone.layers[0].mixer.forward.__func__ is mixer_forward.__func__
 
 
 def test_a_copy_of_a_patched_model_runs_its_own_weights() -> None:

@@ -22,18 +22,19 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import UnsupportedModelError
-from hybrid_pack.integrations.transformers.attention import fallback_of, packed_attention_name
-from hybrid_pack.integrations.transformers.context import current_boundaries, packed_row
+from hybrid_pack.integrations.transformers.attention import mark_attention, wrap_every_attention
 from hybrid_pack.integrations.transformers.entry import (
     entry_modules,
     explicit_keys_in,
-    rebound,
+    hand_off,
+    handed_off,
+    install_entry,
     stray_keys_error,
-    wrap_entry,
 )
 from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, family_of
+from hybrid_pack.schema import BOUNDARIES
 
-__all__ = ["patch_model", "is_patched", "packed_row", "FAMILIES", "TESTED_TRANSFORMERS"]
+__all__ = ["patch_model", "is_patched", "FAMILIES", "TESTED_TRANSFORMERS"]
 
 TESTED_TRANSFORMERS = ((5, 20), (5, 25))  # [lower, upper) of the transformers versions tested
 _FAMILY_FLAG = "_hybrid_pack_family"
@@ -69,40 +70,52 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward) -> None:
-    """Route ``module``'s forward to ``packed_forward`` inside a packed call; keep the original otherwise.
+    """Route ``module``'s forward to ``packed_forward`` when the call carries ``boundaries``; keep the original
+    otherwise. The signature stays the original one (``inspect.signature`` reads the class's ``forward``).
 
-    Outside a packed call, packed keys reaching the mixer mean they bypassed every entry (:mod:`.entry`):
-    the original forward would run the row as one document, so the call is refused instead.
+    The collator's packed keys reaching the mixer without ``boundaries`` mean they bypassed every entry
+    (:mod:`.entry`): the original forward would run the row as one document, so the call is refused instead.
     """
     if getattr(module, _MIXER_FLAG, False):
         return
     original = module.forward
+    unbound = original.__func__ if isinstance(original, types.MethodType) else original
 
-    @functools.wraps(original)
-    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        boundaries = current_boundaries()
+    @functools.wraps(unbound)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        boundaries = kwargs.pop(BOUNDARIES, None)
+        if boundaries is None:
+            boundaries = handed_off(self)
         if boundaries is not None:
-            return packed_forward(self, hidden_states, boundaries)
+            return packed_forward(self, args[0] if args else kwargs["hidden_states"], boundaries)
         stray = explicit_keys_in(kwargs)
         if stray:
             raise stray_keys_error(type(self).__name__, stray)
-        return rebound(original, self)(hidden_states, *args, **kwargs)
+        return unbound(self, *args, **kwargs)
 
-    # Never traced by torch.compile: the boundaries are Python-level state, and the packed ops would be
-    # recompiled for every layout; the layers around the mixer compile as usual.
-    module.forward = types.MethodType(torch.compiler.disable(forward), module)
+    module.forward = types.MethodType(forward, module)
     setattr(module, _MIXER_FLAG, True)
 
 
-def _use_packed_attention(model: torch.nn.Module) -> None:
-    current = model.config._attn_implementation
-    if current is None or fallback_of(current) is not None:
-        return
-    model.set_attn_implementation(packed_attention_name(current))
-    if model.config._attn_implementation != packed_attention_name(current):
-        raise UnsupportedModelError(f"model: {type(model).__name__} did not accept the packed attention "
-                                    f"implementation (config._attn_implementation is still "
-                                    f"{model.config._attn_implementation!r})")
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The softmax-attention layers (the modules that call transformers' attention interface)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+
+
+def _refuse_unserved_settings(model: torch.nn.Module, attention: list[torch.nn.Module]) -> None:
+    """Settings the family accepts but packed attention cannot serve exactly, refused before any call."""
+    for module in attention:
+        layer = type(module).__name__
+        dropout = getattr(module, "attention_dropout", 0.0) or 0.0
+        if dropout:
+            raise UnsupportedModelError(f"config.attention_dropout: {dropout} is not supported on packed rows "
+                                        f"({layer}); set config.attention_dropout=0.0 before patch_model")
+        for setting in ("sliding_window", "softcap"):
+            if getattr(module, setting, None) is not None:
+                raise UnsupportedModelError(f"config.{setting}: {getattr(module, setting)!r} ({layer}) is not "
+                                            "supported on packed rows; patch a model without it")
+        if not module.is_causal:
+            raise UnsupportedModelError(f"{layer}.is_causal: only causal attention is supported on packed rows")
 
 
 def patch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -113,12 +126,12 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     every mixer and attention layer through :mod:`hybrid_pack.ops`, so no document sees another one,
     forward or backward, whether it enters through ``model(**batch)``, the backbone
     (``model.base_model(**batch)``, as TRL's fused LM head calls it) or a decoder layer. Calls without
-    boundary keys run exactly as before.
+    boundary keys run exactly as before, and nothing else changes (docs/api.md §6a): the forward signatures,
+    ``config._attn_implementation`` and ``set_attn_implementation``, ``output_attentions``, generation and
+    caches, gradient checkpointing, saving and loading, PEFT and ``torch.compile(fullgraph=True)``.
 
     Packed calls refuse ``attention_mask``, a cache and ``use_cache=True`` (an ``InputError`` naming the
-    fix), and run with ``use_cache=False``. Gradient checkpointing, PEFT and ``torch.compile`` are
-    supported, applied before or after patching; so is patching before or after a trainer replaces
-    ``model.forward``. Patching twice changes nothing.
+    fix), and run with ``use_cache=False``. Patching twice changes nothing.
 
     Args:
         model: a supported model (see :data:`FAMILIES`), typically an ``...ForCausalLM``, or a PEFT /
@@ -128,25 +141,34 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         ``model``.
 
     Raises:
-        UnsupportedModelError: unsupported family, or a supported one whose mixers were not found.
+        UnsupportedModelError: unsupported family, one whose layers were not found, or a setting of its
+            config that packed rows cannot serve exactly (named).
     """
     target = _unwrapped(model)
     family = family_of(target)
     if not is_patched(target):
         _check_transformers_version()
         _patch_family(target, family)
-        _use_packed_attention(target)
     for entry in entry_modules(target):
-        wrap_entry(entry)
+        install_entry(entry)
     setattr(target, _FAMILY_FLAG, family.name)
     return model
 
 
 def _patch_family(model: torch.nn.Module, family: Family) -> None:
     mixers = [(m, family.mixers[type(m).__name__]) for m in model.modules() if type(m).__name__ in family.mixers]
-    if not mixers:
-        raise UnsupportedModelError(f"model: no {' / '.join(family.mixers)} module found in this {family.name} "
-                                    "model; this transformers version may have renamed it (see "
+    attention = _attention_modules(model)
+    if not mixers and not attention:
+        raise UnsupportedModelError(f"model: no {' / '.join(family.mixers)} or attention module found in this "
+                                    f"{family.name} model; this transformers version may have renamed them (see "
                                     "docs/transformers.md for the tested versions)")
+    _refuse_unserved_settings(model, attention)
     for module, packed_forward in mixers:
         _patch_mixer(module, packed_forward)
+    for module in model.modules():
+        child = family.hand_offs.get(type(module).__name__)
+        if child is not None:
+            hand_off(module, child)
+    wrap_every_attention()
+    for module in attention:
+        mark_attention(module)

@@ -8,7 +8,7 @@ it is handled for every family through the attention interface (:mod:`.attention
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -31,11 +31,14 @@ PackedForward = Callable[[torch.nn.Module, torch.Tensor, PackedBoundaries], torc
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: its display name, its ``config.model_type`` values and its mixers' packed forwards."""
+    """One model family: its display name, its ``config.model_type`` values, its mixers' packed forwards, and
+    ``hand_offs``: ``{module class: child attribute}`` where the module's forward does not pass its keywords
+    (``boundaries``) on to that child, so the patch hands them over (:func:`.entry.hand_off`)."""
 
     name: str
     model_types: tuple[str, ...]
     mixers: Mapping[str, PackedForward]
+    hand_offs: Mapping[str, str] = field(default_factory=dict)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -50,8 +53,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("GraniteMoeHybrid", ("granitemoehybrid",), {"GraniteMoeHybridMambaLayer": mamba2_forward}),
     Family("Zamba2", ("zamba2",), {"Zamba2MambaMixer": mamba2_forward}),
     Family("Lfm2", ("lfm2",), {"Lfm2ShortConv": short_conv_forward}),
-    Family("Mamba2", ("mamba2",), {"Mamba2Mixer": mamba2_forward}),
-    Family("Jamba", ("jamba",), {"JambaMambaMixer": jamba_mamba_forward}),
+    Family("Mamba2", ("mamba2",), {"Mamba2Mixer": mamba2_forward}, hand_offs={"Mamba2ForCausalLM": "backbone"}),
+    Family("Jamba", ("jamba",), {"JambaMambaMixer": jamba_mamba_forward},
+           hand_offs={"JambaMambaDecoderLayer": "mamba"}),
 )
 
 _UNSUPPORTED_HINTS = {

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.ops import causal_conv1d, gated_delta_rule
+from hybrid_pack.integrations.transformers.conv import packed_conv
+from hybrid_pack.ops import gated_delta_rule
 
 __all__ = ["qwen3_next_projections", "qwen3_5_projections", "gated_deltanet_forward"]
 
@@ -40,8 +41,7 @@ def gated_deltanet_forward(mixer: torch.nn.Module, hidden_states: torch.Tensor, 
                            projections: Callable[[torch.nn.Module, torch.Tensor], Projections]) -> torch.Tensor:
     """``hidden_states [1, T, hidden]`` -> ``[1, T, hidden]``, every document on its own."""
     qkv, z, b, a = projections(mixer, hidden_states)
-    qkv = causal_conv1d(qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, boundaries,
-                        activation=mixer.activation)
+    qkv = packed_conv(qkv, mixer.conv1d, boundaries, mixer.activation)
     q, k, v = qkv.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     q, k = (x.unflatten(-1, (-1, mixer.head_k_dim)) for x in (q, k))
     v = v.unflatten(-1, (-1, mixer.head_v_dim))

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.ops import causal_conv1d, mamba2_ssd
+from hybrid_pack.integrations.transformers.conv import packed_conv
+from hybrid_pack.ops import mamba2_ssd
 
 __all__ = ["mamba2_forward", "falcon_h1_in_proj", "falcon_h1_gated_norm"]
 
@@ -49,8 +50,7 @@ def mamba2_forward(mixer: torch.nn.Module, hidden_states: torch.Tensor, boundari
     """``hidden_states [1, T, hidden]`` -> ``[1, T, hidden]``, every document on its own."""
     heads, groups, state = mixer.num_heads, mixer.n_groups, mixer.ssm_state_size
     gate, xbc, dt = in_proj(mixer, hidden_states).split([mixer.intermediate_size, mixer.conv_dim, heads], dim=-1)
-    xbc = causal_conv1d(xbc, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, boundaries,
-                        activation=mixer.activation)
+    xbc = packed_conv(xbc, mixer.conv1d, boundaries, mixer.activation)
     x, B, C = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
     dt_bias, dt_softplus = mixer.dt_bias, True
     dt_limit = tuple(mixer.time_step_limit)

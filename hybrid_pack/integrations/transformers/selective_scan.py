@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
 
 __all__ = ["selective_scan"]
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   boundaries: PackedBoundaries, *, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
-                   dt_bias: torch.Tensor | None = None, dt_softplus: bool = True) -> torch.Tensor:
+                   boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
+                   z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True) -> torch.Tensor:
     """Selective scan over a packed row.
 
     Args:
@@ -39,18 +40,42 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         dt = dt + dt_bias
     if dt_softplus:
         dt = F.softplus(dt)
-    layout = boundaries.chunk_layout(boundaries.max_seqlen)
-    xs, dts, Bs, Cs = (layout.to_chunks(t[0].to(dtype)) for t in (x, dt, B, C))  # [S, L, D] / [S, L, N]
-    decay = torch.exp(dts.unsqueeze(-1) * A.to(dtype))                          # [S, L, D, N]
-    inject = (dts * xs).unsqueeze(-1) * Bs.unsqueeze(-2)                         # [S, L, D, N]
-    state = xs.new_zeros(xs.shape[0], xs.shape[2], A.shape[-1])
-    outputs = []
-    for step in range(layout.chunk_size):
-        state = decay[:, step] * state + inject[:, step]
-        outputs.append((state @ Cs[:, step].unsqueeze(-1)).squeeze(-1))
-    y = layout.from_chunks(torch.stack(outputs, dim=1))                          # [T, D]
+    if isinstance(boundaries, StaticBoundaries):
+        y = _scan_resetting(*(t[0].to(dtype) for t in (x, dt, B, C)), A.to(dtype), boundaries)
+    else:
+        y = _scan_documents(*(t[0].to(dtype) for t in (x, dt, B, C)), A.to(dtype), boundaries)
     if D is not None:
         y = y + x[0].to(dtype) * D.to(dtype)
     if z is not None:
         y = y * F.silu(z[0].to(dtype))
     return y.unsqueeze(0).to(x.dtype)
+
+
+def _scan_documents(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A: torch.Tensor,
+                    boundaries: PackedBoundaries) -> torch.Tensor:
+    """``x, dt [T, D]``, ``B, C [T, N]`` -> ``y [T, D]``: all documents side by side, ``max_seqlen`` steps."""
+    layout = boundaries.chunk_layout(boundaries.max_seqlen)
+    xs, dts, Bs, Cs = (layout.to_chunks(t) for t in (x, dt, B, C))             # [S, L, D] / [S, L, N]
+    decay = torch.exp(dts.unsqueeze(-1) * A)                                   # [S, L, D, N]
+    inject = (dts * xs).unsqueeze(-1) * Bs.unsqueeze(-2)                        # [S, L, D, N]
+    state = xs.new_zeros(xs.shape[0], xs.shape[2], A.shape[-1])
+    outputs = []
+    for step in range(layout.chunk_size):
+        state = decay[:, step] * state + inject[:, step]
+        outputs.append((state @ Cs[:, step].unsqueeze(-1)).squeeze(-1))
+    return layout.from_chunks(torch.stack(outputs, dim=1))
+
+
+def _scan_resetting(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A: torch.Tensor,
+                    boundaries: StaticBoundaries) -> torch.Tensor:
+    """The same scan read from tensors only (a compiled graph): ``T`` steps, the state zeroed where a
+    document starts (``position_ids == 0``)."""
+    keep = (boundaries.document_positions[0] != 0).to(x.dtype)                 # [T]
+    decay = torch.exp(dt.unsqueeze(-1) * A)                                    # [T, D, N]
+    inject = (dt * x).unsqueeze(-1) * B.unsqueeze(-2)                          # [T, D, N]
+    state = x.new_zeros(x.shape[1], A.shape[-1])
+    outputs = []
+    for step in range(x.shape[0]):
+        state = decay[step] * state * keep[step] + inject[step]
+        outputs.append(state @ C[step])
+    return torch.stack(outputs)
