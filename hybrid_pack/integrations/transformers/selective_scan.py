@@ -19,7 +19,8 @@ __all__ = ["selective_scan"]
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
-                   z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True) -> torch.Tensor:
+                   z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                   dt_softplus: bool = True) -> torch.Tensor:
     """Selective scan over a packed row.
 
     Args:
