@@ -33,3 +33,24 @@ def test_packed_trainer_logs_real_tokens_per_second(tmp_path) -> None:
     assert all(log["tokens_per_second"] > 0 for log in logs)
     final = trainer.state.log_history[-1]
     assert final["train_tokens_per_second"] == pytest.approx(real[-1] / final["train_runtime"])
+
+
+def test_packed_trainer_drops_unused_dataset_columns_as_trainer_does(tmp_path) -> None:
+    """``remove_unused_columns=True`` (Trainer's default): a patched HF model's forward names ``input_ids`` and
+    ``labels``; a ``text`` column beside them never reaches the collator (which would refuse an unknown key)."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    lengths = [5, 9, 3, 12, 7, 4]
+    dataset = Dataset.from_list([{INPUT_IDS: list(range(3, 3 + n)), "text": f"doc {i}"} for i, n in enumerate(lengths)])
+    args = TrainingArguments(str(tmp_path), max_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    assert args.remove_unused_columns
+    trainer = PackedTrainer(model=patch_model(tiny_model("bamba")), args=args, train_dataset=dataset,
+                            lengths=lengths, capacity=24)
+    trainer.train()
+    assert trainer.state.global_step == 2

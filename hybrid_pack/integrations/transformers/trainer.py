@@ -98,7 +98,10 @@ class PackedBatches:
         if self.packed_sampler is None:
             return super().get_train_dataloader()  # type: ignore[misc]
         args = self.args  # type: ignore[attr-defined]
-        loader = DataLoader(self.train_dataset, batch_sampler=self.packed_sampler,  # type: ignore[attr-defined]
+        dataset = self.train_dataset  # type: ignore[attr-defined]
+        if args.remove_unused_columns and hasattr(dataset, "column_names"):   # a datasets.Dataset, as Trainer does
+            dataset = self._remove_unused_columns(dataset, description="training")  # type: ignore[attr-defined]
+        loader = DataLoader(dataset, batch_sampler=self.packed_sampler,
                             collate_fn=self.packing_collator,
                             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
         return self.accelerator.prepare(loader)  # type: ignore[attr-defined]
