@@ -223,3 +223,20 @@ def test_plain_trainer_with_default_arguments_trains_a_patched_model(tmp_path) -
     assert trainer.state.global_step == 8 and torch.isfinite(torch.tensor(result.training_loss))
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert LABELS not in dataset.column_names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_and_cache_are_unchanged(family: str) -> None:
+    """Greedy generation with the cache, patched and unpatched, gives the same tokens and scores (transformers'
+    torch functions for both: with fla installed, the family would call its Triton kernels on CPU tensors)."""
+    reference = _model(tiny_config(family))
+    model = patch_model(_model(tiny_config(family)))
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    settings = {"max_new_tokens": 5, "do_sample": False, "output_scores": True, "return_dict_in_generate": True,
+                "pad_token_id": 0}
+    with torch.no_grad(), pure_torch_transformers(model):
+        expected = reference.generate(ids, **settings)
+        got = model.generate(ids, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
