@@ -240,3 +240,25 @@ def test_generation_and_cache_are_unchanged(family: str) -> None:
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.scores, expected.scores):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "jamba"])
+def test_a_packed_call_builds_no_attention_mask(family: str) -> None:
+    """The boundaries replace the mask: no ``[1, 1, T, T]`` per-document mask, no host read of ``position_ids``
+    (transformers' packed-sequence detection) for a packed row; an ordinary padded batch builds its mask."""
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    model = patch_model(_model(tiny_config(family)))
+    batch = PackingCollator()(_documents())
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    with mock.patch.object(masking_utils, "_preprocess_mask_arguments",
+                           wraps=masking_utils._preprocess_mask_arguments) as built, torch.no_grad(), \
+            pure_torch_transformers(model):
+        model(**batch)
+        assert built.call_count == 0
+        model(input_ids=torch.randint(3, VOCAB, (2, 9)), attention_mask=mask)
+        assert built.call_count > 0
+    assert not hasattr(model.config, "_hybrid_pack_packed_call")    # nothing left on the config to be saved

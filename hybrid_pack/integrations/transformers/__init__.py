@@ -32,6 +32,7 @@ from hybrid_pack.integrations.transformers.entry import (
     stray_keys_error,
 )
 from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, family_of
+from hybrid_pack.integrations.transformers.mask import skip_masks_of_packed_calls
 from hybrid_pack.schema import BOUNDARIES
 
 __all__ = ["patch_model", "is_patched", "FAMILIES", "TESTED_TRANSFORMERS"]
@@ -170,5 +171,6 @@ def _patch_family(model: torch.nn.Module, family: Family) -> None:
         if child is not None:
             hand_off(module, child)
     wrap_every_attention()
+    skip_masks_of_packed_calls(model)
     for module in attention:
         mark_attention(module)

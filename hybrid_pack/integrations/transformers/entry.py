@@ -28,6 +28,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
+from hybrid_pack.integrations.transformers.mask import mark_packed_call, unmark_packed_call
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
@@ -213,13 +214,20 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
 
 
 class _EntryHook:
-    """The pre-hook of one entry (a class, not a closure: a patched model deep-copies and pickles)."""
+    """The hooks of one entry (a class, not a closure: a patched model deep-copies and pickles). A Hugging Face
+    model entry also marks its config for the duration of the call (:mod:`.mask`: no mask for a packed row)."""
 
     def __init__(self, signature: _Signature) -> None:
         self.signature = signature
 
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _enter(self.signature, module, args, kwargs)
+        call = _enter(self.signature, module, args, kwargs)
+        if self.signature.by_positions:
+            mark_packed_call(module.config, call is not None)
+        return call
+
+    def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        unmark_packed_call(module.config)
 
 
 def handed_off(module: torch.nn.Module) -> PackedBoundaries | StaticBoundaries | None:
@@ -274,5 +282,8 @@ def install_entry(module: torch.nn.Module) -> None:
     """Give ``module`` the packed-call pre-hook (idempotent); its ``forward`` is left as it is."""
     if is_entry(module):
         return
-    module.register_forward_pre_hook(_EntryHook(_Signature.of(module)), with_kwargs=True, prepend=True)
+    hook = _EntryHook(_Signature.of(module))
+    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    if hook.signature.by_positions:
+        module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
     setattr(module, _ENTRY_FLAG, True)
