@@ -262,3 +262,13 @@ def test_a_packed_call_builds_no_attention_mask(family: str) -> None:
         model(input_ids=torch.randint(3, VOCAB, (2, 9)), attention_mask=mask)
         assert built.call_count > 0
     assert not hasattr(model.config, "_hybrid_pack_packed_call")    # nothing left on the config to be saved
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_dtype_cast_after_patching_keeps_packed_calls_exact(family: str) -> None:
+    """``.to(float64)`` after patching: packed rows run in float64 (the families' own torch code keeps a few
+    float32 steps, so "alone" agrees to 1e-7, not 1e-15; Qwen3-Next's MoE has no float64 kernel)."""
+    model = patch_model(_model(tiny_config(family))).to(torch.float64)
+    with torch.no_grad():
+        assert model(**PackingCollator()(_documents())).logits.dtype == torch.float64
+    assert _max_error_against_alone(model) < 1e-6
