@@ -272,3 +272,16 @@ def test_dtype_cast_after_patching_keeps_packed_calls_exact(family: str) -> None
     with torch.no_grad():
         assert model(**PackingCollator()(_documents())).logits.dtype == torch.float64
     assert _max_error_against_alone(model) < 1e-6
+
+
+def test_attention_registered_after_patching_is_served_packed() -> None:
+    """A custom attention function registered (and selected) after ``patch_model`` is wrapped at the first packed
+    call: the packed row never reaches a kernel that would ignore the documents."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = patch_model(_model(tiny_config("bamba")))
+    AttentionInterface.register("custom_test_attention", sdpa_attention_forward)
+    model.set_attn_implementation("custom_test_attention")
+    assert model.config._attn_implementation == "custom_test_attention"
+    assert _max_error_against_alone(model) < 1e-5

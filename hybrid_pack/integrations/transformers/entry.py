@@ -223,6 +223,10 @@ class _EntryHook:
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = _enter(self.signature, module, args, kwargs)
         if self.signature.by_positions:
+            if call is not None:   # an implementation registered after patch_model is served too
+                from hybrid_pack.integrations.transformers.attention import wrap_attention
+
+                wrap_attention(module.config._attn_implementation)
             mark_packed_call(module.config, call is not None)
         return call
 
