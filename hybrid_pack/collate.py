@@ -39,12 +39,15 @@ from hybrid_pack.schema import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     NUM_PAD_TOKENS,
+    POSITION_IDS,
+    SEQ_IDX,
     PackedBatch,
 )
 
 __all__ = ["PackingCollator"]
 
 _LIST_TYPES = frozenset({list, tuple})
+_RETURN_TENSORS = ("pt", "np")
 _MAX_TOKENS = np.iinfo(np.int32).max
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
@@ -68,8 +71,20 @@ class PackingCollator:
             same shapes and Python values, for one compiled graph: ``cu_seq_lens_q/k`` int32
             ``[max_documents + 2]`` (unused slots repeat ``pack_length``), ``max_length_q/k`` =
             ``pack_length``, ``num_pad_tokens`` an int64 0-d tensor. More documents raise ``InputError``.
+        return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays, same dtypes and shapes; the
+            Python ints stay ints). Also a ``__call__`` argument, for that call only.
+        return_position_ids: False leaves ``position_ids`` out; the other boundary keys still say where
+            every document starts (``PackedBoundaries.from_batch``, ``HybridForCausalLM`` and patched
+            models rebuild the positions). Refused with ``max_documents``: a compiled forward reads them.
+        return_flash_attn_kwargs, return_seq_idx: accepted so that this class replaces transformers'
+            ``DataCollatorWithFlattening`` unchanged; True here (its default is False) and must stay True:
+            False raises ``InputError``, since a hybrid model needs ``cu_seq_lens_q/k``, ``max_length_q/k``
+            and ``seq_idx`` to keep the documents apart.
+        position_ids_start: 0, the only value taken: positions restart at 0 in every document, as the
+            boundaries and RoPE read them (an offset is for RoBERTa-style absolute position embeddings).
 
-    ``__call__(features)`` returns, for ``T`` tokens (padding included) in ``S`` segments
+    ``__call__(features, return_tensors=None, separator_id=None)`` (the last two override the
+    constructor's for that call) returns, for ``T`` tokens (padding included) in ``S`` segments
     (the documents, plus the padding segment if any):
 
     - ``input_ids``, ``labels``, ``position_ids``: int64 ``[1, T]``;
@@ -78,6 +93,12 @@ class PackingCollator:
     - ``max_length_q``, ``max_length_k``: Python int, the longest segment;
     - every extra key present: float32 or int64 ``[1, T]``;
     - ``num_pad_tokens``: Python int, only when padding was added.
+
+    With ``return_flash_attn_kwargs=True, return_seq_idx=True`` transformers' ``DataCollatorWithFlattening``
+    gives the same keys, values, dtypes and types for the same features, ``"pt"`` or ``"np"``
+    (``tests/test_collate_hf.py``). Where it is lenient this class refuses, as documented below and in
+    docs/collator.md: a key it does not take (transformers drops it), an empty example (dropped there),
+    ``labels`` in some examples only (read from the first example there).
 
     Any other feature key raises :class:`~hybrid_pack.errors.InputError` naming it (nothing is dropped
     silently), except an ``attention_mask`` of all ones, which is checked and dropped (the boundaries
@@ -93,6 +114,11 @@ class PackingCollator:
         pad_token_id: int = 0,
         extra_token_keys: Sequence[str] = DEFAULT_EXTRA_TOKEN_KEYS,
         max_documents: int | None = None,
+        return_tensors: Literal["pt", "np"] = "pt",
+        return_position_ids: bool = True,
+        return_flash_attn_kwargs: bool = True,
+        return_seq_idx: bool = True,
+        position_ids_start: int = 0,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pack_length", pack_length)):
             if value is not None and (not _is_int(value) or value < 1):
@@ -118,14 +144,29 @@ class PackingCollator:
         self.pad_token_id = int(pad_token_id)
         self.extra_token_keys = tuple(extra_token_keys)
         self.max_documents = max_documents
+        self.return_tensors = return_tensors
+        self.return_position_ids = return_position_ids
+        self.return_flash_attn_kwargs = return_flash_attn_kwargs
+        self.return_seq_idx = return_seq_idx
+        self.position_ids_start = position_ids_start
+        self._check_flattening_settings()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(separator_id={self.separator_id}, "
                 f"pad_to_multiple_of={self.pad_to_multiple_of}, pack_length={self.pack_length}, "
                 f"pad_token_id={self.pad_token_id}, extra_token_keys={self.extra_token_keys}, "
-                f"max_documents={self.max_documents})")
+                f"max_documents={self.max_documents}, return_tensors={self.return_tensors!r}, "
+                f"return_position_ids={self.return_position_ids})")
 
-    def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]]) -> PackedBatch:
+    def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]],
+                 return_tensors: Literal["pt", "np"] | None = None, separator_id: int | None = None) -> PackedBatch:
+        self._check_flattening_settings()  # the attributes are public: checked again, as transformers reads them
+        return_tensors = self.return_tensors if return_tensors is None else _checked_return_tensors(return_tensors)
+        if separator_id is None:
+            separator_id = self.separator_id
+        elif not _is_int(separator_id):
+            raise InputError(f"separator_id: expected an int; got {separator_id!r}")
+        separator_id = int(separator_id)
         docs = _flatten(features)
         try:
             ids = [doc[INPUT_IDS] for doc in docs]
@@ -151,10 +192,10 @@ class PackingCollator:
         column = _column(docs, LABELS, layout)
         if column is None:
             labels = input_ids.clone()
-            labels.numpy()[0, num_real:] = self.separator_id
+            labels.numpy()[0, num_real:] = separator_id
         else:
-            labels = _concat(LABELS, *column, layout, self.separator_id, torch.int64)
-        labels.numpy()[0, boundaries.cu_seqlens.numpy()[:len(lengths)]] = self.separator_id
+            labels = _concat(LABELS, *column, layout, separator_id, torch.int64)
+        labels.numpy()[0, boundaries.cu_seqlens.numpy()[:len(lengths)]] = separator_id
         batch: dict[str, Any] = {INPUT_IDS: input_ids, LABELS: labels, **boundaries.hf_kwargs()}
         for key in self.extra_token_keys:
             column = _column(docs, key, layout)
@@ -167,7 +208,35 @@ class PackingCollator:
             cu_seqlens = StaticBoundaries.from_boundaries(boundaries, self.max_documents).cu_seqlens
             batch.update({CU_SEQ_LENS_Q: cu_seqlens, CU_SEQ_LENS_K: cu_seqlens, MAX_LENGTH_Q: self.pack_length,
                           MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(num_pad)})
+        if not self.return_position_ids:
+            del batch[POSITION_IDS]
+        if return_tensors == "np":  # CPU tensors: .numpy() shares the buffer, no copy
+            batch = {key: value.numpy() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
         return batch  # type: ignore[return-value]
+
+    def _check_flattening_settings(self) -> None:
+        """Refuse the ``DataCollatorWithFlattening`` settings that would drop or shift the boundaries."""
+        _checked_return_tensors(self.return_tensors)
+        flags = (("return_flash_attn_kwargs", (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)),
+                 ("return_seq_idx", (SEQ_IDX,)))
+        for name, keys in flags:
+            value = getattr(self, name)
+            if not (isinstance(value, (bool, np.bool_)) and value):
+                raise InputError(f"{name}: expected True; got {value!r}. A hybrid model needs {', '.join(keys)} to "
+                                 f"keep the packed documents apart: attention, convolutions and recurrent states "
+                                 f"must restart at every document, or they run across the boundaries. "
+                                 f"PackingCollator always returns {', '.join(keys)}: remove {name}={value!r}")
+        if not isinstance(self.return_position_ids, (bool, np.bool_)):
+            raise InputError(f"return_position_ids: expected True or False; got {self.return_position_ids!r}")
+        if not self.return_position_ids and self.max_documents is not None:
+            raise InputError(f"return_position_ids: expected True with max_documents={self.max_documents} (the "
+                             f"static form): a compiled packed forward reads {CU_SEQ_LENS_Q}, {SEQ_IDX} and "
+                             f"{POSITION_IDS} (StaticBoundaries.from_batch); drop return_position_ids=False")
+        if not _is_int(self.position_ids_start) or self.position_ids_start != 0:
+            raise InputError(f"position_ids_start: expected 0; got {self.position_ids_start!r}. {POSITION_IDS} "
+                             f"restart at 0 in every document: PackedBoundaries.from_batch reads them so, and "
+                             f"HybridForCausalLM and patched models take RoPE positions from the boundaries (an "
+                             f"offset is for RoBERTa-style absolute position embeddings); remove the argument")
 
     def _check_other_keys(self, docs: list[Feature], layout: _Layout) -> None:
         """Refuse a key this collator would not emit; accept (and drop) an ``attention_mask`` of all ones."""
@@ -198,6 +267,12 @@ class PackingCollator:
         if self.pad_to_multiple_of is not None:
             return -num_tokens % self.pad_to_multiple_of
         return 0
+
+
+def _checked_return_tensors(value: Any) -> str:
+    if not isinstance(value, str) or value not in _RETURN_TENSORS:
+        raise InputError(f"return_tensors: expected 'pt' (torch tensors) or 'np' (NumPy arrays); got {value!r}")
+    return value
 
 
 def _is_int(value: Any) -> bool:

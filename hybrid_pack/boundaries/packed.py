@@ -272,6 +272,7 @@ class PackedBoundaries:
         A static batch (SPEC §9) gives the boundaries of the same documents without its static padding: its
         unused document slots (zero-length segments at the end of ``cu_seq_lens_q``) are left out.
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
+        NumPy arrays (``return_tensors="np"``) are read like CPU tensors.
         """
         num_pad = int(batch.get(NUM_PAD_TOKENS, 0) or 0)
         key = next((key for key in PRIMARY_BOUNDARY_KEYS if batch.get(key) is not None), None)
@@ -280,7 +281,7 @@ class PackedBoundaries:
                                 "(build batches with hybrid_pack.PackingCollator)")
         if key == CU_SEQ_LENS_Q:
             out = cls.from_cu_seqlens(batch[key], num_pad_tokens=num_pad, static=True)
-            cu_seqlens = batch[key]
+            cu_seqlens = torch.as_tensor(batch[key])
         else:
             maker = cls.from_seq_idx if key == SEQ_IDX else cls.from_position_ids
             out = maker(batch[key], num_pad_tokens=num_pad)
@@ -288,6 +289,8 @@ class PackedBoundaries:
         expected_of = {CU_SEQ_LENS_K: cu_seqlens, SEQ_IDX: out.seq_idx, POSITION_IDS: out.position_ids}
         for other, expected in expected_of.items():
             got = batch.get(other)
+            if isinstance(got, np.ndarray):  # a PackingCollator(return_tensors="np") batch
+                got = torch.from_numpy(got)
             if other != key and got is not None and (not isinstance(got, torch.Tensor) or got.device.type == "cpu"):
                 same = (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape)
                         and torch.equal(got.detach().to("cpu", torch.int64), expected.to("cpu", torch.int64)))

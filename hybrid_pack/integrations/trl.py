@@ -61,6 +61,9 @@ class PackedRowsCollator:
     def __init__(self, collator: PackingCollator | None = None) -> None:
         if collator is not None and not isinstance(collator, PackingCollator):
             raise InputError(f"collator: expected a hybrid_pack.PackingCollator; got {type(collator).__name__}")
+        if collator is not None and collator.return_tensors != "pt":
+            raise InputError(f"collator: return_tensors={collator.return_tensors!r}; a trainer feeds the model "
+                             "torch tensors: leave return_tensors at 'pt'")
         self.collator = collator or PackingCollator()
 
     def __repr__(self) -> str:

@@ -133,5 +133,8 @@ class PackedTrainer(PackedBatches, Trainer):
         if collator is None and self.args.torch_compile:
             collator = PackingCollator(pack_length=capacity,
                                        max_documents=int(sampler.plan.pack_num_documents.max()))
+        if collator is not None and collator.return_tensors != "pt":
+            raise InputError(f"collator: return_tensors={collator.return_tensors!r}; a trainer feeds the model "
+                             "torch tensors: leave return_tensors at 'pt'")
         self.packing_collator = collator or PackingCollator()
         self.use_packed_sampler(sampler)
