@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["HybridPackError", "InputError", "BoundaryError", "UnsupportedModelError", "BackendUnavailableError",
-           "IsolationError", "MissingExtraError"]
+           "IsolationError", "MissingExtraError", "UncheckedError"]
 
 
 class HybridPackError(ValueError):
@@ -58,3 +58,8 @@ class IsolationError(HybridPackError, AssertionError):
     def __init__(self, message: Any, report: Any = None) -> None:
         super().__init__(str(message))
         self.report = report if report is not None else (None if isinstance(message, str) else message)
+
+
+class UncheckedError(HybridPackError, RuntimeError):
+    """A guard saw training calls but no packed one, so it checked nothing (the trainer pads or flattens
+    without boundary keys): raised with ``action="raise"`` instead of staying silent (docs/api.md §7c)."""

@@ -33,7 +33,7 @@ from typing_extensions import Self
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
-from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
+from hybrid_pack.errors import InputError, IsolationError, UncheckedError, UnsupportedModelError
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
@@ -157,6 +157,10 @@ class PackingGuard:
         """The training step the next calls belong to; trainers set it. None: records name the call index."""
         self.calls = 0
         """Packed training calls seen since :meth:`attach`."""
+        self.unpacked_calls = 0
+        """Training calls seen since :meth:`attach` that carried no packed row (nothing to check)."""
+        self._first_unpacked: str | None = None
+        self._silence_reported = False
         self._random = random.Random(seed)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._due: int | None = None          # index of the call being run, when it is to be checked
@@ -169,7 +173,8 @@ class PackingGuard:
         """Hook the model: from now on every packed call in training mode is counted, and checked when due."""
         if self._handles:
             return self
-        self.calls = 0
+        self.calls = self.unpacked_calls = 0
+        self._first_unpacked, self._silence_reported = None, False
         self._handles = [self.model.register_forward_pre_hook(self._before_call, with_kwargs=True),
                          self.model.register_forward_hook(self._after_call, with_kwargs=True)]
         backbone = _backbone(self.model)
@@ -178,11 +183,14 @@ class PackingGuard:
         return self
 
     def detach(self) -> PackingGuard:
-        """Remove the hooks; the records stay."""
+        """Remove the hooks; the records stay. A guard that saw training calls but no packed one says so here
+        (a warning; ``action="raise"``: :class:`~hybrid_pack.errors.UncheckedError`), if it has not yet."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._due = None
+        if self.unpacked_calls and not self.calls:
+            self._report_silence()
         return self
 
     def __enter__(self) -> Self:
@@ -198,6 +206,8 @@ class PackingGuard:
         _refuse_context_parallel(kwargs.get(BOUNDARIES))
         if not module.training or not _is_packed(args, kwargs):
             self._due, self._capture = None, False
+            if module.training:
+                self._count_unpacked(args, kwargs)
             return
         self._due = self.calls if self.calls % self.every == 0 else None
         self._capture = self._due is not None
@@ -216,6 +226,31 @@ class PackingGuard:
         else:
             packed, compared = self._packed_output(output, hidden)
         self._check(batch, packed, compared, step=self.step if self.step is not None else call, call=call)
+
+    def _count_unpacked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A training call with no packed row: nothing to check. After ``every`` of them with no packed call yet,
+        the guard says so (once), naming what it saw."""
+        self.unpacked_calls += 1
+        if self._first_unpacked is None:
+            shapes = {name: list(value.shape) for name, value in {**dict(enumerate(args)), **kwargs}.items()
+                      if isinstance(value, torch.Tensor)}
+            self._first_unpacked = ", ".join(f"{name} {shape}" for name, shape in shapes.items()) or "no tensors"
+        if not self.calls and self.unpacked_calls >= self.every:
+            self._report_silence()
+
+    def _report_silence(self) -> None:
+        if self._silence_reported:
+            return
+        self._silence_reported = True
+        message = (f"PackingGuard: {self.unpacked_calls} training calls, none of them a packed row, so nothing was "
+                   f"checked (the first call: {self._first_unpacked}). The trainer pads its batches (or flattens "
+                   "them without boundary keys) instead of packing: feed the model PackingCollator batches (for "
+                   "TRL's SFT: PackedSFTTrainer), or check padded rows with "
+                   "hybrid_pack.testing.check_isolation(model) before training.")
+        if self.action == "warn":
+            warnings.warn(message, IsolationWarning, stacklevel=3)
+        else:
+            raise UncheckedError(message)
 
     def _keep_hidden(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._capture:

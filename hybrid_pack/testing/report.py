@@ -94,17 +94,19 @@ class IsolationReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
-        verdict = "ISOLATED" if self.ok else "LEAK"
-        lines = [f"{verdict}: {self.model} ({self.dtype}), max leak {self.max_leak:.3g} "
-                 f"(tolerance {self.atol:.1g}, gradients {self.grad_atol:.1g})"]
+        if self.error:   # the check could not run: no verdict either way
+            lines = [f"ERROR: {self.model} ({self.dtype}): the check did not complete: {self.error}"]
+        else:
+            verdict = "ISOLATED" if self.ok else "LEAK"
+            lines = [f"{verdict}: {self.model} ({self.dtype}), max leak {self.max_leak:.3g} "
+                     f"(tolerance {self.atol:.1g}, gradients {self.grad_atol:.1g})"]
         if self.compared:
             lines.append(f"  compared: {self.compared}")
-        if self.error:
-            lines.append(f"  error: {self.error}")
         for lay in self.layouts:
             pad = f" + {lay.num_pad_tokens} padding" if lay.num_pad_tokens else ""
             found = f" (leak found on rank {lay.leak_rank})" if lay.leak_rank is not None else ""
-            lines.append(f"  [{'ok' if lay.ok else 'LEAK'}] {lay.name}: lengths {lay.lengths}{pad}{found}")
+            state = "not run" if self.error and not lay.ok else "ok" if lay.ok else "LEAK"
+            lines.append(f"  [{state}] {lay.name}: lengths {lay.lengths}{pad}{found}")
             for d in lay.documents:
                 flags = [f"alone {d.alone_diff:.2g}"]
                 if d.perturbation_leak is not None:

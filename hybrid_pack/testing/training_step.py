@@ -99,6 +99,18 @@ def _bookkeeping_kept(trainer: Any) -> Iterator[None]:
             setattr(trainer, name, value)
 
 
+def _refuse_undrivable(trainer: Any) -> None:
+    """A trainer whose ``compute_loss`` is a TRL trainer's own (GRPO, DPO, RLOO, ...) takes its trainer's batch
+    layout (prompts, completions, chosen / rejected), not a packed row: it cannot be driven on one."""
+    owner = next(klass for klass in type(trainer).__mro__ if "compute_loss" in vars(klass))
+    if owner.__module__.split(".")[0] == "trl" and owner.__name__ != "SFTTrainer":
+        raise InputError(f"{type(trainer).__name__}: its compute_loss ({owner.__module__}.{owner.__name__}) takes "
+                         "that trainer's own batches, not a packed row, so the harness cannot drive it. Supported: "
+                         "transformers.Trainer and subclasses keeping a compute_loss that calls the model on the batch "
+                         "(hybrid_pack's PackedTrainer), trl.SFTTrainer (PackedSFTTrainer). Check the model instead: "
+                         "check_isolation(trainer.model), or attach a PackingGuard while it trains")
+
+
 def _first_batch(trainer: Any) -> dict[str, Any]:
     return dict(next(iter(trainer.get_train_dataloader())))
 
@@ -348,6 +360,7 @@ def _as_step(target: Any, batch: Mapping[str, Any] | None, model: torch.nn.Modul
     """(step, batch, model, name) for a trainer, a module or a callable."""
     name = type(target).__name__
     if is_trainer(target):
+        _refuse_undrivable(target)
         model = target.model if model is None else model
         batch = _first_batch(target) if batch is None else batch
         return _trainer_step(target), dict(batch), model, f"{name}({type(model).__name__})"
@@ -376,7 +389,8 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
             output with ``.log_probs`` / ``.logits``).
         batch: one packed batch as the step receives it: ``input_ids [1, T]``, the boundary keys
             (``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``, ...), ``labels``, any other keys.
-            Default for a trainer: the first batch of ``trainer.get_train_dataloader()``.
+            Default for a trainer: the first batch of ``trainer.get_train_dataloader()``. A trainer whose loss is a
+            TRL RL or preference trainer's own (GRPO, DPO, ...) is refused (``InputError``), not guessed at.
         model: the module the step runs (default: the trainer's ``model``, or the model given as ``step``). Its
             top-level output is read for per-token values; its input embeddings take the gradient.
         per_token: judge per-token outputs (True) or per-document losses, every other document's labels masked

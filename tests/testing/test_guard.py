@@ -66,13 +66,43 @@ def test_trainer_step_names_the_records(model):
 
 def test_eval_and_unpacked_calls_are_not_counted(model):
     batch = _batch()
-    with PackingGuard(model, every=1) as guard, torch.no_grad():
+    guard = PackingGuard(model, every=5, action="warn").attach()
+    with torch.no_grad():
         model.eval()
         model(**batch)                                        # eval mode
         model.train()
         model(input_ids=batch[INPUT_IDS][:, :40].reshape(2, 20))   # two whole rows, no boundaries
         model(input_ids=batch[INPUT_IDS], **{BOUNDARIES: None})
-    assert guard.calls == 0 and guard.records == []
+    with pytest.warns(IsolationWarning, match="none of them a packed row"):
+        guard.detach()
+    assert guard.calls == 0 and guard.records == [] and guard.unpacked_calls == 2
+
+
+def test_a_guard_that_sees_no_packed_call_never_stays_silent(model):
+    """A trainer that pads (TRL's GRPO, DPO): the guard checks nothing, and says so after ``every`` training
+    calls (``action="raise"``: raises), naming what it saw; by the end of training at the latest."""
+    from hybrid_pack.errors import UncheckedError
+
+    padded = {INPUT_IDS: torch.randint(1, 500, (4, 21))}
+    guard = PackingGuard(model, every=3).attach()
+    model.train()
+    with torch.no_grad():
+        model(input_ids=padded[INPUT_IDS])
+        model(input_ids=padded[INPUT_IDS])
+        with pytest.raises(UncheckedError, match=r"3 training calls, none of them a packed row.*input_ids \[4, 21\]"):
+            model(input_ids=padded[INPUT_IDS])
+    guard.detach()                                            # said once, not again
+    guard = PackingGuard(model, every=100, action="warn").attach()
+    with torch.no_grad():
+        model(input_ids=padded[INPUT_IDS])                    # fewer than every: said when the guard detaches
+    with pytest.warns(IsolationWarning, match="1 training calls, none of them"):
+        guard.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                        # packed calls seen: nothing to say
+        with PackingGuard(model, every=100, action="warn"):
+            _train_calls(model, _batch(), 1)
+            with torch.no_grad():
+                model(input_ids=padded[INPUT_IDS])
 
 
 def test_boundaries_given_ready_made_are_checked(model):
