@@ -12,6 +12,8 @@ _LAZY = {
     "PackedBatchSampler": "hybrid_pack.packing.sampler",
     "pack_stream": "hybrid_pack.packing.streaming",
     "pack_rollouts": "hybrid_pack.packing.rollouts",
+    "unpack_rollouts": "hybrid_pack.packing.rollouts",
+    "tool_masks_from_trl": "hybrid_pack.packing.rollouts",
     "PackStream": "hybrid_pack.packing.streaming",
     "SlicedDataset": "hybrid_pack.packing.slicing",
     "TokenCost": "hybrid_pack.packing.balance",

@@ -24,6 +24,7 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import PackPlan, plan_packs
 from hybrid_pack.schema import (
     ADVANTAGES,
+    CU_SEQ_LENS_Q,
     IGNORE_INDEX,
     INPUT_IDS,
     LABELS,
@@ -35,7 +36,7 @@ from hybrid_pack.schema import (
     TOOL_MASK,
 )
 
-__all__ = ["ROLLOUT_TOKEN_KEYS", "pack_rollouts"]
+__all__ = ["ROLLOUT_TOKEN_KEYS", "pack_rollouts", "unpack_rollouts", "tool_masks_from_trl"]
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -110,7 +111,8 @@ def _tool_mask(tool_masks: Sequence[Sequence[int]], response_lengths: np.ndarray
     """int64, one 0/1 per response token of every sample (checked)."""
     tool = _flat("tool_masks", tool_masks, response_lengths, np.int64)
     if ((tool != 0) & (tool != 1)).any():
-        raise InputError("tool_masks: expected only 0 and 1 (1 where a tool's output was injected)")
+        raise InputError("tool_masks: expected only 0 and 1 (1 where a tool's output was injected; TRL's tool_mask "
+                         "is the opposite, 1 on the policy's own tokens: convert it with tool_masks_from_trl)")
     return tool
 
 
@@ -195,7 +197,9 @@ def pack_rollouts(
         prompts, responses: token ids per sample (lists, arrays or 1-D tensors); sample ``i`` is
             ``prompts[i] + responses[i]``. Prompts repeated for several responses are given repeated.
         capacity: tokens per pack.
-        tool_masks: per sample, one 0/1 per response token, 1 where a tool's output was injected.
+        tool_masks: per sample, one 0/1 per response token, 1 where a tool's output was injected (not
+            TRL's convention, where ``tool_mask`` is 1 on the tokens the policy wrote:
+            :func:`tool_masks_from_trl` converts).
         advantages: per sample a scalar (broadcast over its response tokens) or one value per
             response token.
         old_logprobs: per sample, the behaviour policy's log-probability of each response token.
@@ -228,3 +232,57 @@ def pack_rollouts(
     fields = _rollout_fields(is_response, lengths, response_lengths, tool_masks, advantages, old_logprobs)
     return _collate_packs(plan, sample_start, input_ids, _policy_labels(input_ids, fields), fields,
                           pad_to_multiple_of)
+
+
+def tool_masks_from_trl(tool_mask: torch.Tensor | Sequence[Sequence[int]],
+                        completion_lengths: Sequence[int] | None = None) -> list[list[int]]:
+    """TRL's ``tool_mask`` (1 on a completion token the policy wrote, 0 on injected tool output) as
+    :func:`pack_rollouts`'s ``tool_masks`` (1 on injected tool output), one list per sample.
+
+    Args:
+        tool_mask: int ``[B, C]`` (a right-padded completion batch, as TRL keeps it) or one sequence per sample.
+        completion_lengths: each sample's real completion length (TRL's ``completion_mask.sum(1)``); needed for
+            a padded ``[B, C]`` tensor, whose padding is cut. Default: every entry is real.
+    """
+    rows = tool_mask.tolist() if isinstance(tool_mask, torch.Tensor) else [list(row) for row in tool_mask]
+    if completion_lengths is not None:
+        if len(completion_lengths) != len(rows):
+            raise InputError(f"completion_lengths: expected one per sample ({len(rows)}); "
+                             f"got {len(completion_lengths)}")
+        rows = [row[:int(n)] for row, n in zip(rows, completion_lengths, strict=True)]
+    for i, row in enumerate(rows):
+        if any(value not in (0, 1) for value in row):
+            raise InputError(f"tool_mask[{i}]: expected only 0 and 1 (TRL: 1 on the policy's own tokens)")
+    return [[1 - value for value in row] for row in rows]
+
+
+def unpack_rollouts(batch: dict[str, Any], values: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each rollout's response values from per-token ``values`` computed on a :func:`pack_rollouts` batch.
+
+    Args:
+        batch: one batch of :func:`pack_rollouts` (its ``sample_index``, ``response_mask``, ``cu_seq_lens_q``).
+        values: ``[1, T, ...]`` aligned with the batch's tokens (value ``t`` describes token ``t``, as
+            :func:`~hybrid_pack.loss.token_logprobs` returns), any dtype and device.
+
+    Returns:
+        ``{sample index: values of its response tokens [R, ...]}`` in the order the rollouts sit in the row (tool
+        outputs included: mask them with the batch's ``tool_mask`` if needed); a truncated rollout gives the
+        response tokens it kept; the padding segment gives nothing.
+    """
+    for key in (SAMPLE_INDEX, RESPONSE_MASK):
+        if key not in batch:
+            raise InputError(f"batch: no {key!r}; expected a batch of hybrid_pack.packing.pack_rollouts")
+    tokens = batch[SAMPLE_INDEX].shape[-1]
+    if values.dim() < 2 or values.shape[0] != 1 or values.shape[1] != tokens:
+        raise InputError(f"values: expected [1, {tokens}, ...] (one value per token of the batch); got "
+                         f"{list(values.shape)}")
+    cu_seqlens = torch.as_tensor(batch[CU_SEQ_LENS_Q]).cpu()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    samples = torch.as_tensor(batch[SAMPLE_INDEX])[0].cpu()[cu_seqlens[:-1]].tolist()
+    responses = torch.as_tensor(batch[RESPONSE_MASK])[0].cpu().split(lengths)
+    out: dict[int, torch.Tensor] = {}
+    for sample, piece, response in zip(samples, values[0].split(lengths), responses, strict=True):
+        if sample >= 0:
+            count = int(response.sum())
+            out[int(sample)] = piece[piece.shape[0] - count:]
+    return out

@@ -125,3 +125,36 @@ def test_bad_inputs_name_the_field(kwargs, field):
     arguments = {"prompts": [[7], [8]], "responses": [[1], [2, 3]], "capacity": 16, **kwargs}
     with pytest.raises(InputError, match=field):
         pack_rollouts(**arguments)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), num=st.integers(1, 12), capacity=st.integers(24, 80))
+def test_unpack_rollouts_returns_each_response_by_sample(seed, num, capacity):
+    """Per-token values computed on the packs come back per rollout: its response tokens, nothing else."""
+    from hybrid_pack.packing import unpack_rollouts
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 100, int(rng.integers(1, 10))).tolist() for _ in range(num)]
+    responses = [rng.integers(1, 100, int(rng.integers(1, 12))).tolist() for _ in range(num)]
+    batches = pack_rollouts(prompts, responses, capacity, pad_to_multiple_of=8)
+    got = {}
+    for batch in batches:
+        values = batch["input_ids"].unsqueeze(-1).float() * 2     # [1, T, 1], any per-token tensor
+        pieces = unpack_rollouts(batch, values)
+        assert not set(pieces) & set(got)
+        got.update(pieces)
+    assert sorted(got) == list(range(num))
+    for i, response in enumerate(responses):
+        assert got[i][:, 0].tolist() == [2.0 * t for t in response]
+
+
+def test_tool_masks_from_trl_invert_and_cut_the_padding():
+    from hybrid_pack.packing import tool_masks_from_trl
+
+    trl_mask = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]])             # 1: the policy wrote it (TRL)
+    assert tool_masks_from_trl(trl_mask, completion_lengths=[5, 3]) == [[0, 0, 1, 1, 0], [0, 1, 0]]
+    batch = pack_rollouts([[7, 8]], [[1, 2, 3]], 16, tool_masks=tool_masks_from_trl([[1, 0, 1]]))[0]
+    assert batch["tool_mask"][0].tolist() == [0, 0, 0, 1, 0]               # the injected token is masked
+    assert batch["labels"][0].tolist() == [-100, -100, 1, -100, 3]
+    with pytest.raises(InputError, match="tool_masks_from_trl"):
+        pack_rollouts([[7, 8]], [[1, 2, 3]], 16, tool_masks=[[1, 2, 0]])
