@@ -1,4 +1,6 @@
-"""TRL's ``SFTTrainer`` with packed batches that never mix documents: :class:`PackedSFTTrainer`.
+"""TRL's ``SFTTrainer`` with packed batches that never mix documents: :class:`PackedSFTTrainer` (and
+TRL's ``GRPOTrainer`` scoring completions on packed rows: :class:`PackedGRPOTrainer`, in :mod:`.trl_grpo`; TRL's
+``DPOTrainer`` scoring chosen and rejected sequences on packed rows: :class:`PackedDPOTrainer`, in :mod:`.trl_dpo`).
 
 One line changes in a TRL script::
 
@@ -38,7 +40,11 @@ try:
 except ImportError as err:
     raise MissingExtraError("PackedSFTTrainer", "trl", err) from err
 
-__all__ = ["PackedRowsCollator", "PackedSFTTrainer", "TRL_SEQ_LENGTHS"]
+from hybrid_pack.integrations.trl_dpo import PackedDPOTrainer
+from hybrid_pack.integrations.trl_grpo import TESTED_TRL, PackedGRPOTrainer
+
+__all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedRowsCollator", "PackedSFTTrainer", "TESTED_TRL",
+           "TRL_SEQ_LENGTHS"]
 
 TRL_SEQ_LENGTHS = "seq_lengths"
 """TRL's dataset column listing the lengths of the documents its packing put in one row."""

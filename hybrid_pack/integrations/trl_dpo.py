@@ -19,11 +19,11 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.integrations.trl_grpo import refuse_untested_trl
 from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS
 
 try:
     import accelerate  # noqa: F401  (imported first: trl's lazy imports would wrap a missing one in a RuntimeError)
-    import trl
     from trl import DPOTrainer
 except ImportError as err:
     raise MissingExtraError("PackedDPOTrainer", "trl", err) from err
@@ -32,18 +32,6 @@ __all__ = ["PackedDPOTrainer", "PackedFusedCalls"]
 
 FUSED_LM_HEAD = "fused_lm_head"
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-
-
-def _refuse_untested_trl() -> None:
-    """The hooks read the contract of TRL's fused LM head call, an internal one: only the tested releases."""
-    from hybrid_pack.integrations.trl_grpo import TESTED_TRL
-
-    major, minor = (int(part) for part in trl.__version__.split(".")[:2])
-    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TRL
-    if not (lo_major, lo_minor) <= (major, minor) < (hi_major, hi_minor):
-        raise InputError(f"trl: PackedDPOTrainer relies on DPOTrainer's fused LM head call, internal to TRL, and is "
-                         f"tested with trl >={lo_major}.{lo_minor},<{hi_major}.{hi_minor}; found trl "
-                         f"{trl.__version__}. Install the tested release: pip install 'hybrid_pack[trl]'")
 
 
 class PackedFusedCalls:
@@ -109,7 +97,7 @@ class PackedDPOTrainer(DPOTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_untested_trl()
+        refuse_untested_trl("PackedDPOTrainer", "DPOTrainer's fused LM head call")
         super().__init__(*args, **kwargs)
         self.packed_calls = []
         for model in (self.model, self.ref_model):

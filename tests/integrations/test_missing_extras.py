@@ -14,6 +14,7 @@ ROOT = Path(__file__).parents[2]
     ("transformers", "from hybrid_pack.integrations.transformers.guard import PackingGuardCallback", "hf"),
     ("transformers", "from hybrid_pack.integrations.transformers.tiny import tiny_model; tiny_model('bamba')", "hf"),
     ("trl", "from hybrid_pack.integrations.trl import PackedSFTTrainer", "trl"),
+    ("trl", "from hybrid_pack.integrations.trl_grpo import PackedGRPOTrainer", "trl"),
     ("datasets", "from hybrid_pack.packing.hf_datasets import tokenize_and_plan; tokenize_and_plan(None, None, 8)",
      "hf"),
 ])

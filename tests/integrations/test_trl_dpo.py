@@ -73,3 +73,12 @@ def test_packed_dpo_trains_with_trl_defaults(tmp_path) -> None:
     padded_log, _ = _step(trl.DPOTrainer, "bamba", tmp_path / "padded", bf16=True)
     for key in ("loss", "logps/chosen", "logps/rejected"):
         assert packed_log[key] == pytest.approx(padded_log[key], rel=2e-2), key
+
+
+def test_packed_dpo_refuses_an_untested_trl(tmp_path, monkeypatch) -> None:
+    from hybrid_pack.errors import InputError
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(InputError, match=r"trl: PackedDPOTrainer relies on DPOTrainer's fused LM head.*1\.17\.0"):
+        PackedDPOTrainer(model=tiny_model("bamba"), args=trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True),
+                         train_dataset=_pairs(), processing_class=tiny_tokenizer())

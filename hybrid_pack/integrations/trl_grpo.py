@@ -1,0 +1,284 @@
+"""TRL's ``GRPOTrainer`` with every log-probability forward on packed rows: :class:`PackedGRPOTrainer`.
+
+One line changes in a TRL script::
+
+    trainer = PackedGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
+                                train_dataset=dataset)                  # was GRPOTrainer(...)
+
+``GRPOTrainer`` scores its completions (the policy's log-probabilities in the loss, the old policy's and the
+reference model's) on a padded batch ``[B, P + C]``: prompts left-padded, completions right-padded; every padded
+token costs a forward, and every kernel must honour the padding mask. :class:`PackedGRPOTrainer` overrides one
+method, ``_get_per_token_logps_and_entropies``: it strips the padding (the ``attention_mask``), packs each
+micro-batch's real prompt + completion tokens with :func:`~hybrid_pack.packing.pack_rollouts` into rows of at most
+``packing_capacity`` tokens (default: one row), runs TRL's own fused LM head on each row (same temperature, same
+float32 log-softmax kernel), and scatters the log-probabilities (and entropies) back into TRL's ``[B, C]`` layout,
+zero where TRL's are zero. Generation, rewards, advantages, the loss and the optimizer step are TRL's, untouched.
+
+The overridden method is private, so the TRL releases it was tested against are pinned (:data:`TESTED_TRL`);
+the trainer refuses any other release at construction rather than risk a silent mismatch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from hybrid_pack.errors import InputError, MissingExtraError
+from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.packing.rollouts import pack_rollouts
+from hybrid_pack.schema import (
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    NUM_PAD_TOKENS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    SAMPLE_INDEX,
+    SEQ_IDX,
+)
+
+try:
+    import accelerate  # noqa: F401  (imported first: trl's lazy imports would wrap a missing one in a RuntimeError)
+    import transformers
+    import trl
+    from trl import GRPOTrainer
+    from trl.extras.profiling import profiling_decorator
+except ImportError as err:
+    raise MissingExtraError("PackedGRPOTrainer", "trl", err) from err
+
+__all__ = ["PackedGRPOTrainer", "TESTED_TRL", "refuse_untested_trl"]
+
+TESTED_TRL = ((1, 16), (1, 17))
+"""``[lower, upper)`` of the TRL releases :class:`PackedGRPOTrainer` is tested with (1.16.x): it overrides
+``GRPOTrainer._get_per_token_logps_and_entropies``, a private method, and refuses any other release."""
+
+_OVERRIDDEN = "_get_per_token_logps_and_entropies"
+_EXPECTED_PARAMETERS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                        "compute_entropy", "compute_aux_loss")
+"""The leading parameters of TRL 1.16's method, in order (the rest are multimodal inputs, refused here)."""
+
+_MODEL_KEYS = (INPUT_IDS, POSITION_IDS, SEQ_IDX, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K,
+               NUM_PAD_TOKENS)
+"""The keys of a :func:`pack_rollouts` batch that the patched model takes (the RL fields stay out)."""
+
+
+def refuse_untested_trl(trainer: str, relies_on: str) -> None:
+    """Raise unless the installed TRL is one of :data:`TESTED_TRL` (``relies_on``: the TRL internal used)."""
+    version = trl.__version__
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major, minor = -1, -1
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TRL
+    if not (lo_major, lo_minor) <= (major, minor) < (hi_major, hi_minor):
+        raise InputError(f"trl: {trainer} relies on {relies_on}, internal to TRL, and is tested with trl "
+                         f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}; found trl {version}. Install the tested "
+                         "release: pip install 'hybrid_pack[trl]' (trl==1.16.0)")
+
+
+def _check_trl_version() -> None:
+    relies_on = f"GRPOTrainer.{_OVERRIDDEN} (overridden)"
+    refuse_untested_trl("PackedGRPOTrainer", relies_on)
+    parameters = tuple(inspect.signature(getattr(GRPOTrainer, _OVERRIDDEN, None) or (lambda: None)).parameters)
+    if parameters[:len(_EXPECTED_PARAMETERS)] != _EXPECTED_PARAMETERS:
+        raise InputError(f"trl: PackedGRPOTrainer relies on {relies_on}, whose parameters changed in this trl "
+                         f"{trl.__version__}: {parameters}. Install the tested release: pip install 'hybrid_pack[trl]'")
+
+
+def _check_capacity(packing_capacity: Any) -> int | None:
+    if packing_capacity is None:
+        return None
+    if isinstance(packing_capacity, bool) or not isinstance(packing_capacity, int) or packing_capacity < 1:
+        raise InputError(f"packing_capacity: expected an int >= 1 (tokens per packed row) or None (each micro-batch "
+                         f"in one row); got {packing_capacity!r}")
+    return packing_capacity
+
+
+def _hf_model(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    """The Hugging Face model whose forward TRL's fused LM head replaced (inside DDP / DeepSpeed and PEFT)."""
+    model = accelerator.unwrap_model(model)
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _load_balancing_loss(hf_model: torch.nn.Module, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The MoE load-balancing loss over every token of the packed rows, as TRL's fused LM head computes it on
+    one row (its ``num_experts`` lookup included)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    text_config = hf_model.config.get_text_config()
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    if text_config.model_type == "gpt_oss" and (major, minor) < (5, 6):
+        num_experts = hf_model.num_experts   # TRL's workaround for transformers' GptOssConfig (TRL #5754)
+    else:
+        num_experts = text_config.num_experts
+    return load_balancing_loss_func(router_logits, num_experts, text_config.num_experts_per_tok, None)
+
+
+class PackedGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` computing every per-token log-probability on packed rows.
+
+    Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if
+    any) is patched with :func:`~hybrid_pack.integrations.transformers.patch_model` once TRL has wrapped it
+    (PEFT) and given it its fused LM head. Only ``_get_per_token_logps_and_entropies`` is overridden: the
+    policy's forward in the loss, the old policy's and the reference model's forwards run on packed rows of the
+    micro-batch's real prompt + completion tokens; their results come back in TRL's ``[B, C]`` layout.
+    Completion tokens TRL masks (padding; truncated completions with ``mask_truncated_completions``) get 0, as
+    in TRL; TRL's ``tool_mask`` is applied by TRL's loss, as before (the log-probabilities of tool output are
+    computed, then masked, exactly as TRL does).
+
+    Args:
+        packing_capacity: tokens per packed row. Default (None): each micro-batch (TRL's chunk of
+            ``per_device_train_batch_size`` sequences) in one row. With a capacity, a micro-batch is packed
+            best-fit-decreasing into as many rows as it needs; a sequence longer than the capacity raises.
+        *args, **kwargs: as for ``trl.GRPOTrainer``.
+
+    Raises:
+        InputError: a TRL release other than :data:`TESTED_TRL`, a bad ``packing_capacity``; during training,
+            multimodal inputs (images, token type ids: text-only for now) or a sequence longer than
+            ``packing_capacity``.
+    """
+
+    def __init__(self, *args: Any, packing_capacity: int | None = None, **kwargs: Any) -> None:
+        _check_trl_version()
+        self.packing_capacity = _check_capacity(packing_capacity)
+        super().__init__(*args, **kwargs)
+        patch_model(self.model)
+        if self.ref_model is not None:
+            patch_model(self.accelerator.unwrap_model(self.ref_model))
+
+    @profiling_decorator
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's log-probabilities ``[B, logits_to_keep]`` of the completion tokens (and entropies, and the MoE
+        auxiliary loss, when asked), computed on packed rows: per chunk of ``batch_size`` sequences (TRL's
+        chunks), the real tokens packed into rows of at most ``packing_capacity`` tokens."""
+        given = sorted(name for name, value in multimodal.items() if value is not None)
+        if given:
+            raise InputError(f"{', '.join(given)}: PackedGRPOTrainer packs text-only batches; multimodal inputs are "
+                             "not supported (use trl.GRPOTrainer for vision-language models)")
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies, all_aux_losses = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            logps, entropies, aux_loss = self._packed_logps(model, input_ids[start:end], attention_mask[start:end],
+                                                            logits_to_keep, compute_entropy, compute_aux_loss)
+            all_logps.append(logps)
+            all_entropies.append(entropies)
+            all_aux_losses.append(aux_loss)
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        aux_loss = torch.stack(all_aux_losses).mean() if compute_aux_loss else None
+        return logps, entropies, aux_loss
+
+    def _packed_logps(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One TRL chunk: strip, pack, run the fused LM head on each row, scatter back to ``[B, C]``."""
+        rows, width = input_ids.shape
+        prompt_width = width - logits_to_keep
+        ids, real = input_ids.detach().cpu(), attention_mask.detach().cpu().bool()
+        prompts, responses, samples, columns, scored_counts = [], [], [], [], []
+        for b in range(rows):
+            prompt = ids[b, :prompt_width][real[b, :prompt_width]]
+            completion_columns = real[b, prompt_width:].nonzero().flatten()
+            completion = ids[b, prompt_width:][completion_columns]
+            if completion.numel() == 0:
+                if prompt.numel() == 0:
+                    continue            # no real token: nothing to score, nothing for the MoE auxiliary loss
+                # A masked completion (truncated with mask_truncated_completions): TRL still runs its prompt,
+                # which counts in the MoE auxiliary loss. pack_rollouts wants a response: lend it the last prompt
+                # token (it is never scored).
+                prompt, completion = prompt[:-1], prompt[-1:]
+            prompts.append(prompt)
+            responses.append(completion)
+            samples.append(b)
+            columns.append(completion_columns)
+            scored_counts.append(completion_columns.numel())
+        if not samples:
+            return self._empty(input_ids, logits_to_keep, compute_entropy, compute_aux_loss)
+
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        capacity = self.packing_capacity or sum(lengths)
+        if max(lengths) > capacity:
+            i = max(range(len(lengths)), key=lengths.__getitem__)
+            raise InputError(f"packing_capacity: sequence {samples[i]} of the micro-batch has {lengths[i]} real "
+                             f"prompt + completion tokens, more than packing_capacity={capacity}; raise "
+                             "packing_capacity to at least max_prompt_length + max_completion_length")
+        batches = pack_rollouts(prompts, responses, capacity)
+
+        device = input_ids.device
+        sample_rows = torch.tensor(samples, dtype=torch.long)
+        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        counts = torch.tensor(scored_counts, dtype=torch.long)
+        column_offsets = torch.cumsum(torch.cat([counts.new_zeros(1), counts[:-1]]), 0)
+        flat_columns = torch.cat(columns).long()
+        hf_model = _hf_model(model, self.accelerator)
+        router_logits: list[tuple[torch.Tensor, ...]] = []
+        hook = (hf_model.base_model.register_forward_hook(lambda _m, _a, out: router_logits.append(out.router_logits))
+                if compute_aux_loss else None)
+        targets, logps, entropies = [], [], []
+        try:
+            for batch in batches:
+                sample = batch[SAMPLE_INDEX][0]
+                local = sample.clamp(min=0)
+                positions = batch[POSITION_IDS][0].long()
+                # Score exactly the real completion tokens (never a document's first token: no cross-document
+                # target), as TRL's labels do.
+                offset = positions - prompt_lengths[local]
+                scored = (sample >= 0) & (batch[RESPONSE_MASK][0] == 1) & (positions > 0) & (offset < counts[local])
+                where = scored.nonzero().flatten()
+                local_scored = local[where]
+                column = flat_columns[column_offsets[local_scored] + offset[where]]
+                targets.append(sample_rows[local_scored] * logits_to_keep + column)
+                labels = torch.where(scored, batch[INPUT_IDS][0], IGNORE_INDEX).unsqueeze(0)
+                inputs = {key: (value.to(device) if isinstance(value, torch.Tensor) else value)
+                          for key, value in batch.items() if key in _MODEL_KEYS}
+                if compute_aux_loss:
+                    inputs["output_router_logits"] = True
+                with self.accelerator.autocast():
+                    outputs = model(**inputs, labels=labels.to(device), fused_lm_head=True)
+                # log_probs[:, t - 1] is the log-probability of token t (the head shifts the labels)
+                where_out = (where - 1).to(device)
+                logps.append(outputs.log_probs[0, where_out])
+                if compute_entropy:
+                    entropies.append(outputs.entropy[0, where_out])
+        finally:
+            if hook is not None:
+                hook.remove()
+
+        target = torch.cat(targets).to(device)
+        logps = self._scatter(torch.cat(logps), target, rows, logits_to_keep)
+        entropies = self._scatter(torch.cat(entropies), target, rows, logits_to_keep) if compute_entropy else None
+        aux_loss = None
+        if compute_aux_loss:
+            per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits, strict=True))
+            aux_loss = _load_balancing_loss(hf_model, per_layer)
+        return logps, entropies, aux_loss
+
+    @staticmethod
+    def _scatter(values: torch.Tensor, target: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+        """``[rows, columns]``, ``values`` at the flat indices ``target``, 0 elsewhere (differentiable)."""
+        return values.new_zeros(rows * columns).index_put((target,), values).view(rows, columns)
+
+    @staticmethod
+    def _empty(input_ids: torch.Tensor, logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A chunk without a single real token: zeros, as TRL's head returns on an all-padding batch."""
+        zeros = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
+        aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
+        return zeros, zeros.clone() if compute_entropy else None, aux
