@@ -80,5 +80,5 @@ def test_packed_dpo_refuses_an_untested_trl(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     with pytest.raises(InputError, match=r"trl: PackedDPOTrainer relies on DPOTrainer's fused LM head.*1\.17\.0"):
-        PackedDPOTrainer(model=tiny_model("bamba"), args=trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True),
-                         train_dataset=_pairs(), processing_class=tiny_tokenizer())
+        PackedDPOTrainer(model=tiny_model("bamba"), train_dataset=_pairs(), processing_class=tiny_tokenizer(),
+                         args=trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True))
