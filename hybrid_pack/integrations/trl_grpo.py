@@ -134,8 +134,10 @@ class PackedGRPOTrainer(GRPOTrainer):
 
     Args:
         packing_capacity: tokens per packed row. Default (None): each micro-batch (TRL's chunk of
-            ``per_device_train_batch_size`` sequences) in one row. With a capacity, a micro-batch is packed
-            best-fit-decreasing into as many rows as it needs; a sequence longer than the capacity raises.
+            ``per_device_train_batch_size`` sequences) in one row. With a capacity, the rows are formed by
+            token budget, not by count: every sequence TRL scores in one call (all the generations for the old
+            policy's and the reference's log-probabilities) is packed best-fit-decreasing into as many rows of
+            at most ``packing_capacity`` tokens as it needs; a sequence longer than the capacity raises.
         *args, **kwargs: as for ``trl.GRPOTrainer``.
 
     Raises:
@@ -165,13 +167,19 @@ class PackedGRPOTrainer(GRPOTrainer):
         **multimodal: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's log-probabilities ``[B, logits_to_keep]`` of the completion tokens (and entropies, and the MoE
-        auxiliary loss, when asked), computed on packed rows: per chunk of ``batch_size`` sequences (TRL's
-        chunks), the real tokens packed into rows of at most ``packing_capacity`` tokens."""
+        auxiliary loss, when asked), computed on packed rows of the real tokens: per chunk of ``batch_size``
+        sequences (TRL's chunks) by default; with ``packing_capacity``, rows of at most that many tokens over all
+        of the batch (TRL's chunks kept only for the MoE auxiliary loss)."""
         given = sorted(name for name, value in multimodal.items() if value is not None)
         if given:
             raise InputError(f"{', '.join(given)}: PackedGRPOTrainer packs text-only batches; multimodal inputs are "
                              "not supported (use trl.GRPOTrainer for vision-language models)")
         batch_size = batch_size or input_ids.size(0)
+        if self.packing_capacity is not None and not compute_aux_loss:
+            # The token budget, not TRL's count of sequences, forms the rows: the whole batch TRL passes (all the
+            # generations, for the old policy's and the reference's log-probabilities) packed into rows of
+            # packing_capacity tokens. A MoE auxiliary loss keeps TRL's chunks, over which TRL averages it.
+            batch_size = input_ids.size(0)
         all_logps, all_entropies, all_aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
