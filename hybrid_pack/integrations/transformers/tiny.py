@@ -185,10 +185,11 @@ KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta
 
 
 @contextlib.contextmanager
-def pure_torch_transformers(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model``'s family code on transformers' own torch functions for the convolution and the delta
-    rule, bypassing kernel dispatch (the CPU reference for ordinary, unpacked calls)."""
-    module = sys.modules[type(model).__module__]
+def pure_torch_transformers(model: torch.nn.Module | type) -> Iterator[None]:
+    """Run ``model``'s family code (``model``: a model or a model class) on transformers' own torch functions
+    for the convolution and the delta rule, bypassing kernel dispatch (the CPU reference for ordinary, unpacked
+    calls)."""
+    module = sys.modules[(model if isinstance(model, type) else type(model)).__module__]
     saved = {name: getattr(module, name) for name in KERNEL_FUNCTIONS if hasattr(module, name)}
     try:
         for name, fn in saved.items():
