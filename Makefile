@@ -16,7 +16,7 @@ INSTALL_TORCH = $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
 	$(PIP) install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: demo test test-fast test-kernels test-gpu lint bench venv clean
+.PHONY: demo test test-fast test-kernels test-gpu test-conformance lint bench venv clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,10 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base scripts/install_kernels_cpu.sh
+$(VENV)/.test: $(VENV)/.base scripts/install_kernels_cpu.sh scripts/fetch_transformers_tests.sh
 	$(PIP) install -q -e ".[test]"
 	bash scripts/install_kernels_cpu.sh $(VENV)
+	bash scripts/fetch_transformers_tests.sh $(VENV)
 	touch $@
 
 venv: $(VENV)/.base
@@ -38,6 +39,10 @@ demo: $(VENV)/.base
 test: $(VENV)/.test
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/kernels --ignore=tests/gpu
 	$(MAKE) --no-print-directory test-kernels
+
+# transformers' own common model tests over every supported family, unpatched and patched, with the table.
+test-conformance: $(VENV)/.test
+	$(PY) scripts/conformance_table.py
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check hybrid_pack tests benchmarks examples scripts models
@@ -58,8 +63,8 @@ endif
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/gpu
 
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow and not distributed" tests --ignore=tests/kernels \
-		--ignore=tests/gpu
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow and not distributed and not conformance" tests \
+		--ignore=tests/kernels --ignore=tests/gpu
 
 bench: $(VENV)/.test
 	$(PIP) install -q -e ".[bench]"
