@@ -222,3 +222,41 @@ def test_refuses_multimodal_inputs_and_overlong_sequences(tmp_path: Path) -> Non
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 2, pixel_values=torch.zeros(1, 3))
     with pytest.raises(InputError, match="packing_capacity: sequence 0 of the micro-batch has 5 real prompt"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 2)
+
+
+def _guarded(trainer_class: type, family: str, tmp_path: Path, action: str, leak_after: int | None = None) -> Any:
+    """One GRPO step with ``PackingGuardCallback(every=1)``; a leak planted in layer 0's mixer if asked."""
+    from hybrid_pack.integrations.transformers.guard import PackingGuardCallback
+    from tests.testing.late_leak import LeakAfter
+
+    model = _saved_model(family, tmp_path / "model")
+    callback = PackingGuardCallback(every=1, action=action)
+    trainer = trainer_class(model=model, reward_funcs=_reward, args=_config(tmp_path / "out", beta=0.0),
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+                            processing_class=tiny_tokenizer(), rollout_func=_rollouts, callbacks=[callback])
+    if leak_after is not None:
+        LeakAfter(model.model.layers[0].linear_attn, after=leak_after)
+    with pure_torch_transformers(model):
+        trainer.train()
+    return callback
+
+
+def test_the_guard_checks_packed_grpo_and_catches_a_planted_leak(tmp_path: Path) -> None:
+    from hybrid_pack.errors import IsolationError
+
+    clean = _guarded(PackedGRPOTrainer, "qwen3_next", tmp_path / "clean", "raise")
+    assert clean.guard.records and all(record.ok for record in clean.guard.records)
+    with pytest.raises(IsolationError, match="differs from the same document run alone"):
+        _guarded(PackedGRPOTrainer, "qwen3_next", tmp_path / "leak", "raise", leak_after=0)
+
+
+def test_the_guard_on_trl_grpo_says_it_checks_nothing(tmp_path: Path) -> None:
+    """TRL's GRPO pads: the guard sees no packed call and says so (it used to stay silent)."""
+    from hybrid_pack.errors import UncheckedError
+    from hybrid_pack.testing import IsolationWarning
+
+    with pytest.warns(IsolationWarning, match="none of them a packed row"):
+        callback = _guarded(trl.GRPOTrainer, "bamba", tmp_path / "warn", "warn")
+    assert callback.guard.records == [] and callback.guard.unpacked_calls > 0
+    with pytest.raises(UncheckedError, match="none of them a packed row"):
+        _guarded(trl.GRPOTrainer, "bamba", tmp_path / "raise", "raise")
