@@ -199,11 +199,9 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
     if boundaries is None:
         return None
     _refuse_attention_weights(module, kwargs)
-    device = args[0].device if args and isinstance(args[0], torch.Tensor) else None
-    tokens = _tokens(arguments)
-    device = tokens.device if tokens is not None else device
-    if device is not None and boundaries.device != device:
-        boundaries = boundaries.to(device)
+    tokens = _tokens(arguments)   # input_ids, inputs_embeds or hidden_states, given by name or position
+    if tokens is not None and boundaries.device != tokens.device:
+        boundaries = boundaries.to(tokens.device)
     kwargs = {key: value for key, value in kwargs.items() if key not in (*EXPLICIT_BOUNDARY_KEYS, ATTENTION_MASK)}
     kwargs[BOUNDARIES] = boundaries
     if signature.takes_position_ids and POSITION_IDS not in given_positionally:
