@@ -1,6 +1,6 @@
 """Compile time per static shape, and compiled against eager step time of packed training (CPU).
 
-    python benchmarks/bench_compile.py [--steps 8] [--presets qwen3-next-tiny bamba-tiny ...]
+    python benchmarks/bench_compile.py [--steps 8] [--presets qwen3-next-tiny bamba-tiny ...] [--shapes 1024:16 ...]
 
 For each preset and static shape ``(L, M)``: ``torch.compile(model, fullgraph=True)`` (inductor) on static
 batches of ``PackingCollator(pack_length=L, max_documents=M)``, against the eager model on the plain batches of
@@ -76,10 +76,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--presets", nargs="+", default=["qwen3-next-tiny", "bamba-tiny", "qwen3-next-small",
                                                          "bamba-small"])
+    parser.add_argument("--shapes", nargs="+", metavar="L:M", default=None,
+                        help="static shapes (pack length : max documents) for every preset; default per size")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    given = [tuple(int(n) for n in shape.split(":")) for shape in args.shapes] if args.shapes else None
     rows = [measure(preset, length, docs, args.steps)
-            for preset in args.presets for length, docs in SHAPES[preset.rsplit("-", 1)[-1]]]
-    RESULTS.write_text(json.dumps(rows, indent=1))
+            for preset in args.presets for length, docs in given or SHAPES[preset.rsplit("-", 1)[-1]]]
+    args.out.write_text(json.dumps(rows, indent=1))
     print("| preset | L | M | compile (s) | eager step (ms) | compiled step (ms) | speed-up | graphs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -111,7 +111,7 @@ def op_rows(sizes: list[int], repeats: int) -> list[dict]:
             row = PackedBoundaries.from_document_lengths(lengths_of(total))
             run, limit, token_bytes = op_call(op, total)
             shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world)
-            window = slice(shard.offset, shard.offset + shard.total_tokens)
+            window = slice(shard.offset, shard.offset + shard.local.total_tokens)
             unsharded = median_ms(functools.partial(run, row, slice(None)), repeats) if rank == 0 else 0.0
             dist.barrier()
             sharded = slowest(median_ms(functools.partial(run, shard, window), repeats))

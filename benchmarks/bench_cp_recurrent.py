@@ -148,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
     for total in args.tokens:
         row = row_of(total, args)
         sharded = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world_size)
-        lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
+        lo, hi = sharded.offset, sharded.offset + sharded.local.total_tokens
         for op, (_, fn) in OPS.items():
             inputs, weight = inputs_and_weight(op, row, args)
             local = {n: x[:, lo:hi] if n in TOKEN_DIM else x for n, x in inputs.items()}

@@ -15,63 +15,61 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 DEMO_EXAMPLES = 600
-GUARD_HELP = ("the runtime leak guard checks the first packed micro-batch and every N-th after it against its "
-              "documents run alone; 0 turns it off (default: every 100; docs/guard.md)")
+DEMO_SETTINGS = ("out", "model", "max_examples", "capacity", "overflow", "report_to", "seed", "progress",
+                 "guard_every")
+"""The :class:`~hybrid_pack.training.TrainConfig` fields ``hybrid-pack demo`` takes; it always compares padded
+training and checks isolation first."""
 
 
-def _add_train_arguments(p: argparse.ArgumentParser, *, demo: bool) -> None:
-    p.add_argument("--out", default="runs/demo" if demo else "runs/train", help="run directory (metrics.json, plots)")
-    p.add_argument("--model", default="qwen3-next-tiny", help="preset name or a local Hugging Face model directory")
-    p.add_argument("--max-examples", type=int, default=DEMO_EXAMPLES if demo else None,
-                   help="use the first N examples")
-    p.add_argument("--capacity", type=int, default=2048, help="tokens per packed row")
-    p.add_argument("--overflow", choices=("error", "truncate", "split", "drop"), default="error",
-                   help="an example longer than --capacity: stop naming it (default, as plan_packs), keep its first "
-                        "--capacity tokens, cut it into pieces, or leave it out; counted in metrics.json")
-    p.add_argument("--report-to", nargs="+", default=["none"], metavar="{none,all,tensorboard,wandb}",
-                   help="per-step metrics to TensorBoard (OUT/runs) and / or wandb, as transformers' report_to "
-                        "(default: none)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--guard-every", type=int, default=None, metavar="N", help=GUARD_HELP)
-    if demo:
-        p.add_argument("--compare-padded", action="store_true", default=True, help="always on for the demo")
-        p.add_argument("--isolation-check", action="store_true", default=True, help="always on for the demo")
-        return
-    p.add_argument("--data", default="gsm8k", help="'gsm8k' (bundled) or a JSONL file of {'messages': [...]} chats")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--grad-accum", type=int, default=1, help="packed rows per optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: bf16 autocast where the device has it")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--compare-padded", action="store_true",
-                   help="also train the same example groups in padded batches and compare")
-    p.add_argument("--isolation-check", action="store_true", help="run the isolation harness on the model first")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard every decoder block and the root with FSDP2 (bf16 mixed precision on "
-                        "CUDA), checkpoints in OUT/checkpoint/ with torch.distributed.checkpoint")
-    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
-                   help="under torchrun: split each packed row across N ranks (docs/parallel.md)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model on static batches: one graph for every row (docs/compile.md)")
+def _add_config_options(parser: argparse.ArgumentParser, only: Sequence[str] | None = None,
+                        defaults: dict[str, Any] | None = None) -> None:
+    """One option per :class:`~hybrid_pack.training.TrainConfig` field (those named in ``only``), read from the
+    field: ``--kebab-case``, its type, its default (or ``defaults[name]``, shown in the help unless None), its
+    metadata's ``help``, ``choices`` and ``metavar``. A boolean is a flag: ``--name`` sets a field that defaults
+    to False, ``--no-name`` clears one that defaults to True ("without" its help); a field that takes a list takes
+    one value or more."""
+    import dataclasses
+    import typing
+
+    from hybrid_pack.training import TrainConfig
+
+    types = typing.get_type_hints(TrainConfig)
+    for setting in dataclasses.fields(TrainConfig):
+        if only is not None and setting.name not in only:
+            continue
+        default = (defaults or {}).get(setting.name, setting.default)
+        option = "--" + setting.name.replace("_", "-")
+        described = {"help": setting.metadata.get("help", ""), "dest": setting.name, "default": default}
+        kinds = [kind for kind in typing.get_args(types[setting.name]) if kind is not type(None)] or [
+            types[setting.name]]
+        if kinds == [bool]:
+            if default:
+                parser.add_argument("--no-" + option[2:], action="store_false",
+                                    **{**described, "help": "without " + described["help"]})
+            else:
+                parser.add_argument(option, action="store_true", **described)
+            continue
+        if default is not None:
+            described["help"] += f" (default: {default})"
+        values = {key: setting.metadata[key] for key in ("choices", "metavar") if key in setting.metadata}
+        if any(typing.get_origin(kind) is list for kind in kinds):
+            values["nargs"] = "+"
+        scalar = next(kind for kind in kinds if typing.get_origin(kind) is not list)
+        parser.add_argument(option, type=scalar, **values, **described)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-pack", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train qwen3-next-tiny packed on bundled GSM8K, check isolation, compare padded")
-    _add_train_arguments(demo, demo=True)
+    _add_config_options(demo, only=DEMO_SETTINGS, defaults={"out": "runs/demo", "max_examples": DEMO_EXAMPLES})
+    for flag in ("--compare-padded", "--isolation-check"):
+        demo.add_argument(flag, action="store_true", default=True, help="always on for the demo")
     train = sub.add_parser("train", help="packed supervised fine-tuning")
-    _add_train_arguments(train, demo=False)
+    _add_config_options(train)
     check = sub.add_parser("check", help="run the cross-contamination harness on a model or a trainer")
     check.add_argument("model", nargs="?", default=None,
                        help="a preset name, a Hugging Face config directory, or hf:<family> (tiny random)")
@@ -95,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="default: float32 for the table; with --verify, bfloat16 and float32 on CUDA")
     backends.add_argument("--verify", action="store_true",
                           help="run every backend's self-check now (exit 1 if one fails)")
-    bench = sub.add_parser("bench", help="kernels (boundary cost, adapter overhead) and packed-vs-padded training")
+    bench = sub.add_parser("bench", help="kernels (boundary cost) and packed-vs-padded training")
     bench.add_argument("--out", default="runs/bench", help="writes bench.json here")
     bench.add_argument("--model", default="qwen3-next-tiny")
     bench.add_argument("--steps", type=int, default=5, help="timed training steps per mode")
@@ -106,22 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train_config(args: argparse.Namespace, *, demo: bool) -> Any:
+def _train_config(args: argparse.Namespace) -> Any:
+    """The :class:`~hybrid_pack.training.TrainConfig` of the parsed options (a field without one keeps its default)."""
+    import dataclasses
+
     from hybrid_pack.training import TrainConfig
 
-    common = {"model": args.model, "out": args.out, "capacity": args.capacity, "max_examples": args.max_examples,
-              "seed": args.seed, "progress": not args.no_progress, "overflow": args.overflow,
-              "report_to": args.report_to}
-    if args.guard_every is not None:
-        common["guard_every"] = args.guard_every
-    if demo:
-        return TrainConfig(**common, compare_padded=True, isolation_check=True)
-    return TrainConfig(**common, data=args.data, epochs=args.epochs, max_steps=args.max_steps,
-                       grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps,
-                       weight_decay=args.weight_decay, dtype=args.dtype, device=args.device,
-                       compare_padded=args.compare_padded, isolation_check=args.isolation_check,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume, fsdp=args.fsdp,
-                       context_parallel=args.context_parallel, compile=args.compile)
+    return TrainConfig(**{setting.name: getattr(args, setting.name) for setting in dataclasses.fields(TrainConfig)
+                          if hasattr(args, setting.name)})
 
 
 def _print_summary(metrics: dict[str, Any], out: str) -> None:
@@ -207,7 +197,7 @@ def _decision_text(decision: dict[str, Any]) -> str:
     return decision["backend"]
 
 
-def _run_train(args: argparse.Namespace, *, demo: bool) -> int:
+def _run_train(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from hybrid_pack.training import IsolationFailed, train
@@ -216,7 +206,7 @@ def _run_train(args: argparse.Namespace, *, demo: bool) -> int:
     guard_log.setLevel(logging.INFO)
     try:
         with logging_redirect_tqdm(loggers=[guard_log]):
-            metrics = train(_train_config(args, demo=demo))
+            metrics = train(_train_config(args))
     except IsolationFailed as err:
         print(err, file=sys.stderr)
         return 1
@@ -365,17 +355,24 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _end_rank(code: int) -> NoReturn:
+    """End this torchrun rank of ``hybrid-pack train`` with ``code``, output flushed, skipping the interpreter's
+    finalization: gloo's threads can still hold tensors then, and freeing them aborts a finished run ("terminate
+    called without an active exception", pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from hybrid_pack.errors import HybridPackError, IsolationError
 
     args = _parser().parse_args(argv)
     try:
         if args.command in ("demo", "train"):
-            code = _run_train(args, demo=args.command == "demo")
+            code = _run_train(args)
             if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank, its group ended
-                from hybrid_pack.distributed import exit_without_finalizing
-
-                exit_without_finalizing(code)
+                _end_rank(code)
             return code
         return {"check": _run_check, "backends": _run_backends, "bench": _run_bench}[args.command](args)
     except IsolationError as err:

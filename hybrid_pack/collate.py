@@ -67,7 +67,7 @@ class PackingCollator:
         extra_token_keys: per-token keys concatenated like ``input_ids`` when the features carry
             them (every feature or none); padding gets 0. ``advantages`` and ``old_logprobs`` come
             out float32; any other key int64, or float32 when given as floats.
-        max_documents: with ``pack_length``, the static form (SPEC §9, docs/compile.md): every batch has the
+        max_documents: with ``pack_length``, the static form (docs/api.md §9, docs/compile.md): every batch has the
             same shapes and Python values, for one compiled graph: ``cu_seq_lens_q/k`` int32
             ``[max_documents + 2]`` (unused slots repeat ``pack_length``), ``max_length_q/k`` =
             ``pack_length``, ``num_pad_tokens`` an int64 0-d tensor. More documents raise ``InputError``.

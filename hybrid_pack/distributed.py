@@ -1,21 +1,19 @@
 """Small collectives over a ``torch.distributed`` process group, for decisions every rank must share.
 
-Used by every layer that must decide the same on every rank: the backends' self-check verdicts
-(``ops/dispatch/agreement.py``) and the guard's run counts and verdicts (``testing/guard.py``).
+Used by every layer that must decide the same on every rank: the backends' warm-up, which settles one
+self-check verdict per key for the group (``ops/dispatch/warmup.py``), and the guard's run counts and verdicts
+(``testing/guard.py``).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group", "agree_max", "distributed", "end_process_group", "exit_without_finalizing", "gather_rows",
-           "share_objects"]
+__all__ = ["Group", "agree_max", "distributed", "end_process_group", "gather_rows", "share_objects"]
 
 Group = Any
 """A ``torch.distributed.ProcessGroup`` (``dist.group.WORLD`` included)."""
@@ -67,15 +65,3 @@ def end_process_group() -> None:
         return
     dist.barrier()
     dist.destroy_process_group()
-
-
-def exit_without_finalizing(code: int) -> NoReturn:
-    """End this process with ``code`` now, output flushed, skipping the interpreter's finalization.
-
-    For a process that used gloo, after :func:`end_process_group`: gloo's worker threads can still hold tensors
-    when the interpreter finalizes, and freeing them then aborts the process ("terminate called without an active
-    exception"; pytorch/pytorch#179291 describes it), turning a finished run into a failed one.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

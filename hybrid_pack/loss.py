@@ -42,9 +42,9 @@ def _check_shapes(logits: torch.Tensor, labels: torch.Tensor, boundaries: Packed
         if logits.shape[0] != 1:
             raise InputError(f"logits: boundaries describe one packed row, so the batch must be 1; "
                              f"got shape {list(logits.shape)}")
-        if boundaries.total_tokens != logits.shape[1]:
-            raise InputError(f"boundaries: expected {logits.shape[1]} tokens (the logits' T); "
-                             f"got {boundaries.total_tokens}")
+        here = boundaries.local if isinstance(boundaries, ShardedBoundaries) else boundaries
+        if here.total_tokens != logits.shape[1]:
+            raise InputError(f"boundaries: expected {logits.shape[1]} tokens (the logits' T); got {here.total_tokens}")
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: PackedBoundaries | None = None,

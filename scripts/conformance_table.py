@@ -1,4 +1,4 @@
-"""The conformance tier's table (SPEC §6a): transformers' common model tests per family, unpatched and patched.
+"""The conformance tier's table (docs/api.md §6a): transformers' common model tests per family, unpatched and patched.
 
 Runs ``tests/conformance/test_hf_model_tester.py`` once with ``HYBRID_PACK_CONFORMANCE_RAW=1`` (no expected-
 failure marks: every test's real outcome, both modes in the same run), then prints per family the tests

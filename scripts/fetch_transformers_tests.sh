@@ -2,7 +2,7 @@
 # transformers' own tests (tests/test_modeling_common.py and the files beside it) for the INSTALLED transformers
 # release, from that release's source distribution on PyPI, cached in the venv: VENV/transformers-tests/VERSION/tests.
 # Fetched once per version (a cached version is reused, nothing is downloaded), never vendored into this repository.
-# The conformance tier (tests/conformance, SPEC §6a) imports them; make test's set-up runs this script.
+# The conformance tier (tests/conformance, docs/api.md §6a) imports them; make test's set-up runs this script.
 #
 # Usage: scripts/fetch_transformers_tests.sh [VENV]   (default: .venv)
 set -euo pipefail

@@ -2,7 +2,8 @@
 # Install the real kernel packages into a virtual environment for the CPU interpreter tier
 # (tests/kernels, run with TRITON_INTERPRET=1). No GPU and no CUDA toolkit needed: the Triton
 # kernels of flash-linear-attention and mamba-ssm run in Triton's interpreter, and the CUDA
-# extensions of mamba-ssm / causal-conv1d are skipped at build time (hybrid_pack stubs them).
+# extensions of mamba-ssm / causal-conv1d are skipped at build time (tests/kernels/triton_cpu.py stands in
+# for them).
 #
 # Usage: scripts/install_kernels_cpu.sh [VENV]   (default: .venv)
 # Never pulls torch: every package is installed with --no-deps against the torch already there.

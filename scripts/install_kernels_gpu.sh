@@ -4,7 +4,8 @@
 #
 #   flash-linear-attention / fla-core  pure Python (Triton kernels): gated delta rule, conv
 #   causal-conv1d                      CUDA extension, compiled here for this machine's GPU (a few minutes)
-#   mamba-ssm                          only its Triton SSD kernel is used: no CUDA build
+#   mamba-ssm                          only its Triton SSD kernel is used, but the package imports its CUDA
+#                                      extension (selective_scan_cuda): compiled here too (the longest step)
 #
 # flash-attn is left out (its build takes far longer): `pip install flash-attn --no-build-isolation` adds it.
 # Usage: scripts/install_kernels_gpu.sh [VENV]   (default: .venv)
@@ -36,8 +37,9 @@ ARCH=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capabili
 TORCH_CUDA_ARCH_LIST="$ARCH" CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-16}" \
     "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall --no-cache-dir \
     "causal-conv1d==$CAUSAL_CONV1D_VERSION"  # no cache: the CPU tier's wheel of the same version has no CUDA extension
-MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
-    "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall "mamba-ssm==$MAMBA_SSM_VERSION"
+TORCH_CUDA_ARCH_LIST="$ARCH" MAMBA_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-16}" \
+    "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall --no-cache-dir \
+    "mamba-ssm==$MAMBA_SSM_VERSION"  # no cache: the CPU tier's wheel of the same version has no CUDA extension
 
 "$PYTHON" - <<'PY'
 from importlib.metadata import version
@@ -46,5 +48,6 @@ print(f"device: {torch.cuda.get_device_name()}")
 for name in ("torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d"):
     print(f"{name}=={version(name)}")
 import causal_conv1d_cuda  # noqa: F401  (fails here, not in the GPU tier, if the CUDA extension was not built)
-print("causal_conv1d_cuda: built")
+import selective_scan_cuda  # noqa: F401  (mamba_ssm does not import without it)
+print("causal_conv1d_cuda, selective_scan_cuda: built")
 PY

@@ -1,9 +1,10 @@
 """What the tests share: packed layouts in one notation, one closeness check, each op's inputs, and the
 two proofs every op owes.
 
-* A layout is a :class:`~hybrid_pack.testing.Layout`: the documents' lengths plus the tokens of a
+* A layout is a :class:`~hybrid_pack.isolation.Layout`: the documents' lengths plus the tokens of a
   trailing padding segment; ``layout.boundaries()`` builds its :class:`PackedBoundaries`. The sets
-  below are named after the geometry they stress.
+  below are each op's test rows, named after the geometry they stress (the checks' own generators
+  live in :mod:`hybrid_pack.isolation.layouts`).
 * :func:`assert_close` is the one tolerance check.
 * An op's inputs come from the op's own ``make_inputs`` (``hybrid_pack/ops/<op>/check.py``, the one
   the backends' self-check draws from), for a signature named with the ``*_signature`` helpers here.
@@ -23,11 +24,11 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.isolation import Layout
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
 from hybrid_pack.ops.dispatch.contract import CheckCase, Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import contract_of
 from hybrid_pack.ops.gated_delta.torch_backend import CHUNK_SIZE as GATED_DELTA_CHUNK
-from hybrid_pack.testing.layouts import Layout
 
 __all__ = [
     "Layout", "named", "ATTENTION_LAYOUTS", "FLEX_BLOCK_LAYOUTS", "CONV_LAYOUTS", "GATED_DELTA_LAYOUTS",

@@ -1,4 +1,4 @@
-"""PackingCollator as a drop-in for transformers' DataCollatorWithFlattening (SPEC §3): the same keyword
+"""PackingCollator as a drop-in for transformers' DataCollatorWithFlattening (docs/api.md §3): the same keyword
 arguments with the same meaning, and key by key the same output (keys, values, dtypes, types), "pt" and
 "np"; the settings that would drop the boundaries refused with the reason."""
 

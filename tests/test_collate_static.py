@@ -1,4 +1,4 @@
-"""The static form of the collator (SPEC §9): the same shapes and Python values for every batch of one
+"""The static form of the collator (docs/api.md §9): the same shapes and Python values for every batch of one
 ``(pack_length, max_documents)``, and boundaries that read back as the same documents without the padding."""
 
 from __future__ import annotations

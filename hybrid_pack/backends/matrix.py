@@ -21,7 +21,8 @@ def _row(backend: Backend) -> str:
     if backend.device_probe is not None and "cpu" in backend.devices:
         devices = "cuda (cpu: Triton interpreter, tests)"
     dtypes = ", ".join(dtype_name(d) for d in backend.dtypes)
-    proof = "oracle (pure torch)" if backend.reference else "self-check per key"
+    proof = ("oracle (pure torch)" if backend.reference else
+             "collective self-check per key on the group" if backend.sharded else "self-check per key")
     return (f"| {backend.op} | `{backend.name}` | {backend.priority} | {devices} | {backend.boundary_arg} | "
             f"{'yes' if backend.backward else 'no'} | {dtypes} | {backend.limits or '—'} | {proof} | "
             f"`{impl.split(':')[0]}` |")
@@ -33,7 +34,7 @@ def markdown_matrix() -> str:
              "| op | backend | priority | devices | boundaries via | backward | dtypes | refuses (-> next backend) "
              "| trusted on | module |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [_row(b) for op in registered_ops() for b in backends_of(op)]
+    lines += [_row(b) for op in registered_ops() for b in backends_of(op, sharded=None)]
     return "\n".join([*lines, END])
 
 

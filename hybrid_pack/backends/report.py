@@ -6,9 +6,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.distributed import distributed
-from hybrid_pack.ops.dispatch.agreement import rank_local
 from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
-from hybrid_pack.ops.dispatch.cp_check import cp_backends
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import select, verdict_for, verification_enabled
 from hybrid_pack.ops.dispatch.status import default_device
@@ -29,7 +27,7 @@ def _status(op: str, name: str, chosen: str, device: torch.device, dtype: torch.
     signature = contract_of(op).default_signature(dtype, device.type)
     if name != chosen and backend.priority < next(b.priority for b in backends_of(op) if b.name == chosen):
         return "ok (lower priority; not checked)"
-    verdict = verdict_for(backend, signature, device, True)
+    verdict = verdict_for(backend, signature, device, dtype, True)
     if verdict is None or not verdict.ok:
         return f"no: {verdict.reason if verdict is not None else 'not checked'}"
     return f"CHOSEN (self-check passed: max error {verdict.max_error:.1e}, {verdict.seconds:.2f} s)"
@@ -41,17 +39,16 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
 
     Choosing checks the kernels it would pick (cached on disk per environment); lower-priority ones are
     left unchecked (``hybrid-pack backends --verify`` checks them all). Under ``torch.distributed`` it shows the
-    verdicts the ranks agreed on where they have (a backend serves only where it passed on every rank), this
-    rank's own elsewhere; it starts no collective, so one rank may print it alone.
+    verdicts the ranks settled (``hybrid_pack.backends.verify()``); it starts no collective, so one rank may print
+    it alone.
     """
-    with rank_local():
-        return _report(torch.device(device) if device is not None else default_device(), dtype)
+    return _report(torch.device(device) if device is not None else default_device(), dtype)
 
 
 def _report(device: torch.device, dtype: torch.dtype) -> str:
     check = f"self-check on, results kept in {cache_dir()}" if verification_enabled() else "self-check OFF"
     if distributed():
-        check += f"; verdicts agreed across the {dist.get_world_size()} ranks as the model first runs"
+        check += f"; verdicts settled for the {dist.get_world_size()} ranks by hybrid_pack.backends.verify()"
     lines = [f"hybrid_pack backends on {device_name(device)}, {dtype_name(dtype)}, with backward ({check})", ""]
     header = f"{'op':<12} {'backend':<14} {'boundaries via':<22} status"
     lines += [header, "-" * len(header)]
@@ -64,8 +61,8 @@ def _report(device: torch.device, dtype: torch.dtype) -> str:
         lines.append(f"{'':<12} (typical call: {typical})")
     lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",
               header, "-" * len(header)]
-    for backend in cp_backends():
-        why = backend.device_reason(device)
+    for backend in (b for op in registered_ops() for b in backends_of(op, sharded=True)):
+        why = backend.reason(device, dtype, True)
         status = f"no: {why}" if why else (
             "ok: serves sharded calls after its collective self-check on the group" if verification_enabled()
             else "ok: serves sharded calls (unchecked: HYBRID_PACK_VERIFY=0)")

@@ -1,1 +1,2 @@
-"""Benchmarks behind ``hybrid-pack bench``: kernels (boundary cost, adapter overhead) on rows at real sizes."""
+"""Benchmarks behind ``hybrid-pack bench``: what document boundaries cost each backend, on rows at real sizes (the
+adapter overhead over each library's own kernel is ``benchmarks/bench_kernels.py``'s)."""

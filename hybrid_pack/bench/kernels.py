@@ -1,13 +1,12 @@
-"""Kernel benchmarks: what document boundaries cost each backend, and what the adapter costs over its kernel.
+"""Kernel benchmarks: what document boundaries cost each backend.
 
 For every op and every backend that passes its self-check on the device, forward + backward of the
-public op (``backend=`` forced) is timed on three rows of the same ``T`` tokens: one document (the
-baseline), a mixed row (:func:`~hybrid_pack.bench.layouts.real_size_layout`) and a row of documents
+public op (``backend=`` forced) is timed on three rows of the same ``T`` tokens (:func:`row_layouts`): one
+document (the baseline), a mixed row (:func:`~hybrid_pack.isolation.real_size_layout`) and a row of documents
 under 64 tokens. *Boundary cost* is the packed row's time over the one-document row's, minus one
-(target: at most 5%). The same mixed row is also timed through the library's kernel called directly
-with precomputed arguments, as an expert would call it; *adapter overhead* is the public op's time
-over that, minus one (target: at most 2%). The op's typical signature on the device is used
-(``OpContract.default_signature``).
+(target: at most 5%). The op's typical signature on the device is used (``OpContract.default_signature``).
+What the adapter costs over the library's own kernel is measured beside the package, in
+``benchmarks/bench_kernels.py``, on the same mixed row (:func:`benchmark_case`).
 
 Times are medians of ``repeats`` runs after warm-up runs: CUDA events on CUDA, wall time elsewhere.
 """
@@ -22,19 +21,17 @@ from typing import Any
 
 import torch
 
-from hybrid_pack.bench.layouts import one_document_layout, real_size_layout, short_document_layout
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import BackendUnavailableError
+from hybrid_pack.isolation import Layout, one_document_layout, real_size_layout, short_document_layout
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
-from hybrid_pack.ops.attention import kernel_flex, kernel_torch_varlen
-from hybrid_pack.ops.conv import kernel_fla as conv_fla
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import CheckCase, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import resolve
-from hybrid_pack.ops.gated_delta import kernel_fla as gated_delta_fla
 
-__all__ = ["KernelBenchmark", "benchmark_backend", "run_kernel_benchmarks", "time_forward_backward"]
+__all__ = ["KernelBenchmark", "benchmark_backend", "benchmark_case", "row_layouts", "run_kernel_benchmarks",
+           "time_forward_backward"]
 
 PUBLIC_OPS: dict[str, Callable[..., Any]] = {"attention": varlen_attention, "conv": causal_conv1d,
                                              "gated_delta": gated_delta_rule, "ssd": mamba2_ssd}
@@ -42,7 +39,8 @@ PUBLIC_OPS: dict[str, Callable[..., Any]] = {"attention": varlen_attention, "con
 
 @dataclass
 class KernelBenchmark:
-    """One backend of one op: milliseconds of forward + backward per row layout, and the derived costs."""
+    """One backend of one op: milliseconds of forward + backward of the public op per row layout, and the
+    boundary costs derived from them."""
 
     op: str
     backend: str
@@ -54,8 +52,6 @@ class KernelBenchmark:
     mixed_documents: int = 0
     short_documents_ms: float = float("nan")
     short_documents: int = 0
-    direct_kernel_ms: float = float("nan")
-    direct_kernel_failed: str = ""  # why the direct call could not be timed (the public op's times still stand)
     skipped: str = ""
 
     @property
@@ -68,14 +64,8 @@ class KernelBenchmark:
         """Row of documents under 64 tokens over one document, minus one."""
         return self.short_documents_ms / self.one_document_ms - 1
 
-    @property
-    def adapter_overhead(self) -> float:
-        """The public op over the kernel called directly, on the mixed row, minus one."""
-        return self.mixed_ms / self.direct_kernel_ms - 1
-
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "boundary_cost": self.boundary_cost, "short_boundary_cost": self.short_boundary_cost,
-                "adapter_overhead": self.adapter_overhead}
+        return {**asdict(self), "boundary_cost": self.boundary_cost, "short_boundary_cost": self.short_boundary_cost}
 
 
 def time_forward_backward(fn: Callable[[], Any], device: torch.device, *, repeats: int = 20, warmup: int = 5) -> float:
@@ -104,11 +94,21 @@ def time_forward_backward(fn: Callable[[], Any], device: torch.device, *, repeat
     return statistics.median(times)
 
 
-def _case(op: str, dtype: torch.dtype, layout: tuple[list[int], int], device: torch.device
-          ) -> tuple[CheckCase, PackedBoundaries]:
+def row_layouts(op: str, dtype: torch.dtype, device: torch.device, tokens: int) -> dict[str, Layout]:
+    """The three rows of ``tokens`` tokens each backend of ``op`` is timed on: ``one_document``, ``mixed`` (its
+    documents end on the kernel's block edges of the op's typical signature) and ``short_documents``."""
     contract = contract_of(op)
-    documents, padding = layout
-    boundaries = PackedBoundaries.from_document_lengths(documents, num_pad_tokens=padding, device=device)
+    edge = contract.edge(contract.default_signature(dtype, device.type))
+    return {"one_document": one_document_layout(tokens), "mixed": real_size_layout(edge, tokens),
+            "short_documents": short_document_layout(tokens)}
+
+
+def benchmark_case(op: str, dtype: torch.dtype, layout: Layout, device: torch.device
+                   ) -> tuple[CheckCase, PackedBoundaries]:
+    """Inputs of ``op``'s typical signature on the ``layout`` row (the same for every call: seeded), the floating
+    ones requiring grad, and the row's boundaries on ``device``."""
+    contract = contract_of(op)
+    boundaries = layout.boundaries(device)
     case = contract.make_case(contract.default_signature(dtype, device.type), boundaries,
                               torch.Generator().manual_seed(0))
     arguments = {name: value.requires_grad_() if isinstance(value, torch.Tensor) and value.is_floating_point()
@@ -116,68 +116,10 @@ def _case(op: str, dtype: torch.dtype, layout: tuple[list[int], int], device: to
     return CheckCase(arguments, case.positional, case.token_inputs, case.document_inputs), boundaries
 
 
-def direct_kernel(backend: Backend, case: CheckCase, boundaries: PackedBoundaries) -> Callable[[], Any]:
-    """The library kernel behind ``backend`` called directly, with every boundary argument precomputed."""
-    a = case.arguments
-    name = (backend.op, backend.name)
-    if backend.reference:
-        return lambda: case.call(backend.fn, boundaries)
-    if name == ("attention", "flash_attn"):
-        from flash_attn import flash_attn_varlen_func
-
-        cu, longest = boundaries.cu_seqlens, boundaries.max_seqlen
-        return lambda: flash_attn_varlen_func(a["q"][0], a["k"][0], a["v"][0], cu, cu, longest, longest,
-                                              softmax_scale=a["softmax_scale"], causal=a["causal"])
-    if name == ("attention", "torch_varlen"):
-        from torch.nn.attention.varlen import varlen_attn
-
-        cu, longest = boundaries.cu_seqlens, boundaries.max_seqlen
-        q, k, v = a["q"][0], a["k"][0], a["v"][0]
-        grouped: dict[str, Any] = {}
-        if q.shape[1] != k.shape[1] and kernel_torch_varlen.takes_enable_gqa(varlen_attn):
-            grouped["enable_gqa"] = True
-        elif q.shape[1] != k.shape[1]:  # an expert on this torch repeats the key/value heads once, up front
-            k, v = (t.detach().repeat_interleave(q.shape[1] // t.shape[1], dim=1).requires_grad_() for t in (k, v))
-        window = kernel_torch_varlen.CAUSAL_WINDOW if a["causal"] else kernel_torch_varlen.FULL_WINDOW
-        return lambda: varlen_attn(q, k, v, cu, cu, longest, longest, scale=a["softmax_scale"], window_size=window,
-                                   **grouped)
-    if name == ("attention", "flex"):
-        pad = kernel_flex.bucket_length(boundaries.total_tokens) - boundaries.total_tokens
-        padded = [torch.nn.functional.pad(a[k].detach(), (0, 0, 0, 0, 0, pad)).transpose(1, 2).requires_grad_()
-                  for k in ("q", "k", "v")]
-        mask = kernel_flex.document_block_mask(boundaries, a["causal"])
-        attend = kernel_flex._attend(boundaries.device)
-        return lambda: attend(*padded, block_mask=mask, scale=a["softmax_scale"], enable_gqa=True)
-    if name == ("conv", "causal_conv1d"):
-        from causal_conv1d import causal_conv1d_fn
-
-        return lambda: causal_conv1d_fn(a["x"].transpose(1, 2), a["weight"], a["bias"], seq_idx=boundaries.seq_idx,
-                                        activation=a["activation"])
-    if name == ("conv", "fla"):
-        from fla.modules.causal_conv1d import causal_conv1d as fla_conv
-
-        index, cu_cpu = boundaries.kernel_chunk_index(conv_fla.KERNEL_CHUNK_SIZE)
-        return lambda: fla_conv(a["x"], a["weight"], a["bias"], activation=a["activation"], backend="triton",
-                                cu_seqlens=boundaries.cu_seqlens, cu_seqlens_cpu=cu_cpu, chunk_indices=index)
-    if name == ("gated_delta", "fla"):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        index, cu_cpu = boundaries.kernel_chunk_index(gated_delta_fla.KERNEL_CHUNK_SIZE)
-        return lambda: chunk_gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=a["scale"],
-                                              use_qk_l2norm_in_kernel=a["use_qk_l2norm"],
-                                              cu_seqlens=boundaries.cu_seqlens, cu_seqlens_cpu=cu_cpu,
-                                              chunk_indices=index)
-    if name == ("ssd", "mamba_ssm"):
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-        return lambda: mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], a["chunk_size"], D=a["D"],
-                                                 z=a["z"], dt_bias=a["dt_bias"], seq_idx=boundaries.seq_idx,
-                                                 dt_softplus=a["dt_softplus"])
-    raise LookupError(f"no direct call known for backend {backend.op}/{backend.name}")
-
-
 def benchmark_backend(backend: Backend, dtype: torch.dtype, device: torch.device, tokens: int, repeats: int
-               ) -> KernelBenchmark:
+                      ) -> KernelBenchmark:
+    """The public op forced to ``backend`` on each of :func:`row_layouts`' rows (skipped, with the reason, when it
+    cannot run here or fails at this size)."""
     op, contract = backend.op, contract_of(backend.op)
     signature = contract.default_signature(dtype, device.type)
     result = KernelBenchmark(op, backend.name, dtype_name(dtype), signature_text(signature), tokens)
@@ -187,10 +129,8 @@ def benchmark_backend(backend: Backend, dtype: torch.dtype, device: torch.device
         result.skipped = str(err)
         return result
     public = PUBLIC_OPS[op]
-    layouts = {"one_document": one_document_layout(tokens), "mixed": real_size_layout(contract.edge(signature), tokens),
-               "short_documents": short_document_layout(tokens)}
-    for name, layout in layouts.items():
-        case, boundaries = _case(op, dtype, layout, device)
+    for name, layout in row_layouts(op, dtype, device, tokens).items():
+        case, boundaries = benchmark_case(op, dtype, layout, device)
         try:
             milliseconds = time_forward_backward(
                 lambda case=case, boundaries=boundaries: case.call(public, boundaries, {**case.arguments,
@@ -201,14 +141,9 @@ def benchmark_backend(backend: Backend, dtype: torch.dtype, device: torch.device
             return result
         setattr(result, f"{name}_ms", milliseconds)
         if name == "mixed":
-            result.mixed_documents = len(layout[0])
-            try:
-                result.direct_kernel_ms = time_forward_backward(direct_kernel(backend, case, boundaries), device,
-                                                                repeats=repeats)
-            except (LookupError, RuntimeError, ValueError, TypeError) as err:  # the public op's times still stand
-                result.direct_kernel_failed = f"{type(err).__name__}: {err}"
+            result.mixed_documents = len(layout.lengths)
         if name == "short_documents":
-            result.short_documents = len(layout[0])
+            result.short_documents = len(layout.lengths)
     return result
 
 

@@ -142,8 +142,9 @@ class PackedBoundaries:
 
     @property
     def document_positions(self) -> torch.Tensor:
-        """int64 ``[1, T]``: each token's position in its document, what RoPE rotates by (``position_ids``;
-        on a context-parallel shard, counted from the document's start on earlier ranks)."""
+        """int64 ``[1, T]``: each token's position in its document, what RoPE rotates by (``position_ids``; a
+        context-parallel shard's :class:`~hybrid_pack.parallel.ShardedBoundaries` counts them from the document's
+        start on earlier ranks)."""
         return self.position_ids
 
     @property
@@ -204,7 +205,7 @@ class PackedBoundaries:
                         static: bool = False) -> PackedBoundaries:
         """From cumulative lengths ``[S+1]`` (0 first, strictly increasing).
 
-        ``static=True`` reads the static form (SPEC §9): the zero-length segments that may end it (its
+        ``static=True`` reads the static form (docs/api.md §9): the zero-length segments that may end it (its
         unused document slots, ``T`` repeated) are left out.
         """
         cu = _as_int_array("cu_seqlens", cu_seqlens, ndim_ok=(1,))
@@ -269,7 +270,7 @@ class PackedBoundaries:
 
         Uses ``cu_seq_lens_q`` if present, else ``seq_idx``, else ``position_ids``, and checks that
         every other boundary key present on the host agrees. ``num_pad_tokens`` is read when present.
-        A static batch (SPEC §9) gives the boundaries of the same documents without its static padding: its
+        A static batch (docs/api.md §9) gives the boundaries of the same documents without its static padding: its
         unused document slots (zero-length segments at the end of ``cu_seq_lens_q``) are left out.
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         NumPy arrays (``return_tensors="np"``) are read like CPU tensors.

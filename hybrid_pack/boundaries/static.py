@@ -1,4 +1,4 @@
-"""Boundaries known only as tensors: what a compiled graph sees of a packed row (SPEC §9).
+"""Boundaries known only as tensors: what a compiled graph sees of a packed row (docs/api.md §9).
 
 A :class:`~hybrid_pack.PackedBoundaries` carries host-side Python ints (every segment's length, the
 longest one) so eager kernels never synchronise; inside a ``torch.compile`` graph those ints would be

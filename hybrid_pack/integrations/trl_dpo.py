@@ -19,6 +19,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.integrations.transformers.trainer import SettlesBackendsAfterFirstStep
 from hybrid_pack.integrations.trl_grpo import refuse_untested_trl
 from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS
 
@@ -83,7 +84,7 @@ class PackedFusedCalls:
             handle.remove()
 
 
-class PackedDPOTrainer(DPOTrainer):
+class PackedDPOTrainer(SettlesBackendsAfterFirstStep, DPOTrainer):
     """``trl.DPOTrainer`` whose policy and reference forwards run on packed rows.
 
     Takes every argument of ``trl.DPOTrainer``. The policy and the reference model are patched

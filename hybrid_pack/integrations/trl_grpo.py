@@ -27,6 +27,7 @@ import torch
 
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.integrations.transformers.trainer import SettlesBackendsAfterFirstStep
 from hybrid_pack.packing.rollouts import pack_rollouts
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
@@ -120,7 +121,7 @@ def _load_balancing_loss(hf_model: torch.nn.Module, router_logits: tuple[torch.T
     return load_balancing_loss_func(router_logits, num_experts, text_config.num_experts_per_tok, None)
 
 
-class PackedGRPOTrainer(GRPOTrainer):
+class PackedGRPOTrainer(SettlesBackendsAfterFirstStep, GRPOTrainer):
     """``trl.GRPOTrainer`` computing every per-token log-probability on packed rows.
 
     Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if

@@ -2,7 +2,9 @@
 
 Every token-mixing op takes the row's :class:`~hybrid_pack.PackedBoundaries`, built once per
 forward from the batch keys the :class:`~hybrid_pack.PackingCollator` emits, so a packed row of
-documents gives each document the logits (and gradients) it would get alone.
+documents gives each document the logits (and gradients) it would get alone. A context-parallel shard's
+:class:`~hybrid_pack.parallel.ShardedBoundaries` go to the same ops, each of which has a context-parallel
+path, and RoPE reads their ``document_positions`` (counted from the document's start on earlier ranks).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from hybrid_pack.modeling.mamba2 import Mamba2
 from hybrid_pack.modeling.mlp import build_mlp
 from hybrid_pack.modeling.norm import GatedRMSNorm, RMSNorm
 from hybrid_pack.modeling.rope import RotaryEmbedding
+from hybrid_pack.ops.validate import local_boundaries
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
@@ -76,7 +80,7 @@ class HybridDecoderLayer(nn.Module):
         self.post_mixer_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config)
 
-    def forward(self, hidden_states: torch.Tensor, boundaries: PackedBoundaries,
+    def forward(self, hidden_states: torch.Tensor, boundaries: PackedBoundaries | ShardedBoundaries,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """``[1, T, hidden]`` -> ``[1, T, hidden]``; ``rotary`` is used by attention layers only."""
         normed = self.input_norm(hidden_states)
@@ -95,7 +99,7 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if "A" in config.layer_pattern else None
 
-    def forward(self, boundaries: PackedBoundaries, input_ids: torch.Tensor | None = None,
+    def forward(self, boundaries: PackedBoundaries | ShardedBoundaries, input_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """int64 ``input_ids`` ``[1, T]`` or ``inputs_embeds`` ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -109,7 +113,7 @@ def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoun
     """Boundaries from the collator keys in ``batch``, or one document per row when there are none.
 
     Inside ``torch.compile`` they are :class:`StaticBoundaries` (tensors only, nothing read from them), so one
-    graph serves every batch of the same shapes (the static batches of SPEC §9).
+    graph serves every batch of the same shapes (the static batches of docs/api.md §9).
     """
     if all(batch.get(key) is None for key in PRIMARY_BOUNDARY_KEYS):
         given = [key for key in SECONDARY_BOUNDARY_KEYS if batch.get(key) is not None]
@@ -174,8 +178,9 @@ class HybridForCausalLM(nn.Module):
                 cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
                 max_length_q: int | None = None, max_length_k: int | None = None,
                 num_pad_tokens: int | None = None, inputs_embeds: torch.Tensor | None = None, *,
-                boundaries: PackedBoundaries | None = None, num_items_in_batch: int | torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
+                boundaries: PackedBoundaries | ShardedBoundaries | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None,
                 **kwargs: Any) -> CausalLMOutput:
         """Logits and, with ``labels``, the next-token loss of a packed batch.
 
@@ -218,9 +223,9 @@ class HybridForCausalLM(nn.Module):
                      CU_SEQ_LENS_K: cu_seq_lens_k, MAX_LENGTH_Q: max_length_q, MAX_LENGTH_K: max_length_k,
                      NUM_PAD_TOKENS: num_pad_tokens}
             boundaries = _boundaries_for(batch, rows, tokens)
-        if boundaries.total_tokens != rows * tokens:
-            raise InputError(f"boundaries: expected {rows * tokens} tokens (the input's); "
-                             f"got {boundaries.total_tokens}")
+        here = local_boundaries(boundaries)  # a context-parallel shard: this rank's tokens
+        if here.total_tokens != rows * tokens:
+            raise InputError(f"boundaries: expected {rows * tokens} tokens (the input's); got {here.total_tokens}")
         if boundaries.device != source.device:
             boundaries = boundaries.to(source.device)
         if inputs_embeds is None:

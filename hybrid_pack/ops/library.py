@@ -1,18 +1,18 @@
-"""The ops as ``torch.library`` custom ops: how a compiled graph calls them on :class:`StaticBoundaries`.
+"""The ops as ``torch.library`` custom ops: how a compiled graph calls a backend that has no static form.
 
-Inside ``torch.compile`` the boundaries are tensors only (:class:`~hybrid_pack.boundaries.static.StaticBoundaries`),
-so everything an op derives from the documents' lengths (chunk layouts, attention buckets, kernel chunk
-indices: data-dependent shapes) and the backend choice with its self-check (SPEC §5a) must stay out of the
-graph. Each op is therefore one opaque node, ``hybrid_pack::<op>``, whose:
+Inside ``torch.compile`` the boundaries are tensors only (:class:`~hybrid_pack.boundaries.static.StaticBoundaries`).
+The pure-torch backends have a static form (``ops/<op>/torch_static.py``: static shapes, no host read) that the
+graph traces inline, so the compiler derives their backward and saves what it needs, and the step can be captured
+in a CUDA graph. A kernel backend (fla, mamba-ssm, causal-conv1d, flash-attn) derives its launch layout from the
+documents' lengths on the host, so it runs as one opaque node, ``hybrid_pack::<op>``, whose:
 
 - real implementation reads ``cu_seqlens`` (one host read per row: the one-entry cache below keeps the
   :class:`PackedBoundaries` of the last ``cu_seqlens`` tensor seen, so all layers of a step share it and its
-  views), leaves out the zero-length segments of the static form, and calls the eager op: backend
-  selection, the self-check of a kernel not yet checked, and the kernel itself all run at call time, never
-  while tracing, so a compiled graph only ever calls a backend that passed its check;
+  views), leaves out the zero-length segments of the static form, and calls the eager op with the backend the
+  graph chose while tracing (:func:`~hybrid_pack.ops.dispatch.selector.static_choice`);
 - fake implementation gives the output shapes from the input shapes alone;
 - backward (``register_autograd``) is a second custom op that recomputes the op under autograd and returns
-  its gradients: the same backend and the same arithmetic as eager, at the price of one more forward pass of
+  its gradients: the same kernel and the same arithmetic as eager, at the price of one more forward pass of
   the op in the backward.
 
 Recurrent states are per segment slot (``[S, ...]``): a zero-length slot passes its initial state through.

@@ -1,6 +1,7 @@
-"""Where the Triton kernels (flash-linear-attention, mamba-ssm) can run: on CUDA, and on CPU only in
-Triton's interpreter once :func:`hybrid_pack.testing.triton_cpu.enable_cpu_interpreter` has closed the
-gaps between those packages and a CPU-only torch (the tests' real-kernel tier)."""
+"""Where the Triton kernels (flash-linear-attention, mamba-ssm) can run: on CUDA, and on CPU only in Triton's
+interpreter (``TRITON_INTERPRET=1``) once the process has closed the gaps between those packages and a CPU-only
+torch and said so with :func:`mark_cpu_interpreter_ready`. This repository's real-kernel tests do that
+(``tests/kernels/triton_cpu.py``); nothing in hybrid_pack patches Triton or the kernel packages."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ _cpu_interpreter_ready = False
 
 
 def mark_cpu_interpreter_ready() -> None:
-    """Record that the CPU interpreter's gaps are closed (called by ``enable_cpu_interpreter``)."""
+    """Let float32 Triton kernels run on CPU under ``TRITON_INTERPRET=1``: for a process that made the kernel
+    packages run in Triton's interpreter (``tests/kernels/triton_cpu.py`` does, then calls this)."""
     global _cpu_interpreter_ready
     _cpu_interpreter_ready = True
 
 
 def cpu_interpreter_enabled() -> bool:
-    """Whether Triton kernels can run on CPU here: the gaps are closed and ``TRITON_INTERPRET=1``."""
+    """Whether Triton kernels can run on CPU here: :func:`mark_cpu_interpreter_ready` was called and
+    ``TRITON_INTERPRET=1``."""
     return _cpu_interpreter_ready and os.environ.get(INTERPRET_ENV) == "1"
 
 
@@ -31,8 +34,8 @@ def triton_device_reason(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu":
         return ""
     if not cpu_interpreter_enabled():
-        return (f"on CPU, Triton kernels run only in the test interpreter ({INTERPRET_ENV}=1, then "
-                "hybrid_pack.testing.triton_cpu.enable_cpu_interpreter())")
+        return (f"on CPU, Triton kernels run only in the kernel tests' interpreter ({INTERPRET_ENV}=1 and "
+                "tests/kernels/triton_cpu.py)")
     if dtype != torch.float32:
         return f"the CPU interpreter path takes float32 only, not {str(dtype).removeprefix('torch.')}"
     return ""

@@ -8,28 +8,48 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
+
+AnyBoundaries = PackedBoundaries | StaticBoundaries | ShardedBoundaries
+"""What the public ops take: a whole row (eager or compiled), or one rank's slice of a row (docs/api.md §10)."""
 
 
-def check_packed(name: str, x: torch.Tensor, boundaries: PackedBoundaries | StaticBoundaries, ndim: int) -> None:
-    """Raise ValueError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and T = boundaries.total_tokens."""
-    if not isinstance(boundaries, (PackedBoundaries, StaticBoundaries)):
-        raise InputError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)); "
-                         f"got {type(boundaries).__name__}")
+def local_boundaries(boundaries: AnyBoundaries) -> PackedBoundaries | StaticBoundaries:
+    """The boundaries of the tokens this process holds: ``boundaries.local`` for a :class:`ShardedBoundaries`
+    (its segments, pieces of documents where a rank edge cuts one), ``boundaries`` itself otherwise."""
+    return boundaries.local if isinstance(boundaries, ShardedBoundaries) else boundaries
+
+
+def document_slots(boundaries: AnyBoundaries) -> int:
+    """Rows of a call's per-document tensors (``initial_state``, final states): one per document, one per local
+    document on a :class:`ShardedBoundaries`, one per segment slot with :class:`StaticBoundaries`."""
+    if isinstance(boundaries, StaticBoundaries):
+        return boundaries.num_segments
+    return local_boundaries(boundaries).num_docs
+
+
+def check_packed(name: str, x: torch.Tensor, boundaries: AnyBoundaries, ndim: int) -> None:
+    """Raise InputError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and ``T`` the tokens the boundaries
+    describe here (``boundaries.total_tokens``; ``boundaries.local.total_tokens`` on a shard), on their device."""
+    if not isinstance(boundaries, (PackedBoundaries, StaticBoundaries, ShardedBoundaries)):
+        raise InputError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)) or a "
+                         f"ShardedBoundaries (shard_batch(batch)); got {type(boundaries).__name__}")
+    here = local_boundaries(boundaries)
+    field = "boundaries.local.total_tokens" if here is not boundaries else "boundaries.total_tokens"
     if x.dim() != ndim:
         raise InputError(f"{name}: expected {ndim} dims [1, T, ...]; got shape {list(x.shape)}")
     if x.shape[0] != 1:
         raise InputError(f"{name}: expected batch size 1 (packed rows are [1, T, ...]; pack the batch with "
                          f"PackingCollator); got shape {list(x.shape)}")
-    if x.device != boundaries.device:
-        raise InputError(f"boundaries: on {boundaries.device} but {name} is on {x.device}; "
+    if x.device != here.device:
+        raise InputError(f"boundaries: on {here.device} but {name} is on {x.device}; "
                          f"move them with boundaries.to({name}.device)")
-    if x.shape[1] != boundaries.total_tokens:
-        raise InputError(f"{name}: expected T = {boundaries.total_tokens} tokens (boundaries.total_tokens); "
-                         f"got shape {list(x.shape)}")
+    if x.shape[1] != here.total_tokens:
+        raise InputError(f"{name}: expected T = {here.total_tokens} tokens ({field}); got shape {list(x.shape)}")
 
 
 def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) -> None:
-    """Raise ValueError unless ``x`` (when given) has exactly the ``expected`` shape."""
+    """Raise InputError unless ``x`` (when given) has exactly the ``expected`` shape."""
     if x is not None and tuple(x.shape) != tuple(expected):
         raise InputError(f"{name}: expected shape {list(expected)}; got {list(x.shape)}")
 

@@ -48,7 +48,7 @@ def halo_plan(boundaries: ShardedBoundaries, limit: int | None) -> HaloPlan:
     """
 
     def build() -> HaloPlan:
-        per_rank, me = boundaries.total_tokens, boundaries.rank
+        per_rank, me = boundaries.local.total_tokens, boundaries.rank
         needs = boundaries.first_positions
         if limit is not None:
             needs = np.minimum(needs, limit)

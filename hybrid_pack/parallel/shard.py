@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.parallel.boundaries import LAYOUTS, ShardedBoundaries
 from hybrid_pack.schema import (
     BOUNDARIES,
     BOUNDARY_KEYS,
@@ -34,9 +34,6 @@ from hybrid_pack.schema import (
 )
 
 __all__ = ["LAYOUTS", "shard_batch"]
-
-LAYOUTS = ("contiguous",)
-"""Token layouts :func:`shard_batch` knows."""
 
 
 def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "contiguous") -> dict[str, Any]:
@@ -65,9 +62,12 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
         got = "nothing" if tokens is None else f"shape {list(tokens.shape)}"
         raise InputError(f"{tokens_key}: expected one packed row [1, T] (PackingCollator builds one row per batch; "
                          f"shard each row on its own); got {got}")
-    if isinstance(batch.get(BOUNDARIES), ShardedBoundaries):
+    given = batch.get(BOUNDARIES)
+    if isinstance(given, ShardedBoundaries):
         raise InputError(f"{BOUNDARIES}: this batch is already one rank's shard; shard the whole row once")
-    row = batch.get(BOUNDARIES) or PackedBoundaries.from_batch(batch)
+    if given is not None and not isinstance(given, PackedBoundaries):
+        raise InputError(f"{BOUNDARIES}: expected the whole row's PackedBoundaries; got {type(given).__name__}")
+    row = PackedBoundaries.from_batch(batch) if given is None else given
     if dist.is_initialized():
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     elif group is not None:
@@ -75,7 +75,7 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
     else:
         rank, world_size = 0, 1
     shard = ShardedBoundaries.from_row(row, group=group, rank=rank, world_size=world_size)
-    total, window = row.total_tokens, slice(shard.offset, shard.offset + shard.total_tokens)
+    total, window = row.total_tokens, slice(shard.offset, shard.offset + shard.local.total_tokens)
 
     out: dict[str, Any] = {}
     for key, value in batch.items():

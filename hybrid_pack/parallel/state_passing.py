@@ -61,7 +61,7 @@ class StateChain:
 def _ranks_passing_through(boundaries: ShardedBoundaries) -> np.ndarray:
     """bool ``[world_size]``: the ranks holding only the middle of one document (their only segment began on
     an earlier rank), through which an incoming state passes on by their map."""
-    per_rank, continues = boundaries.total_tokens, boundaries.first_positions > 0
+    per_rank, continues = boundaries.local.total_tokens, boundaries.first_positions > 0
     starts = np.asarray(boundaries.row.starts, dtype=np.int64)
     offsets = np.arange(boundaries.world_size, dtype=np.int64) * per_rank
     starts_inside = np.searchsorted(starts, offsets + per_rank) - np.searchsorted(starts, offsets, side="right")
@@ -86,9 +86,10 @@ def state_chain(boundaries: ShardedBoundaries) -> StateChain:
 def segments_as_documents(boundaries: ShardedBoundaries) -> PackedBoundaries:
     """The local segments with the padding segment counted as a document, so that it, too, can start
     from a carried state (the row's padding may continue across a rank edge like any segment)."""
+    local = boundaries.local
     return boundaries.view("segments_as_documents", lambda: PackedBoundaries(
-        cu_seqlens=boundaries.cu_seqlens, seq_idx=boundaries.seq_idx, position_ids=boundaries.position_ids,
-        max_seqlen=boundaries.max_seqlen, segment_lengths=boundaries.segment_lengths, num_pad_tokens=0))
+        cu_seqlens=local.cu_seqlens, seq_idx=local.seq_idx, position_ids=local.position_ids,
+        max_seqlen=local.max_seqlen, segment_lengths=local.segment_lengths, num_pad_tokens=0))
 
 
 def segment_initial_states(initial_states: torch.Tensor | None, boundaries: ShardedBoundaries,
@@ -101,7 +102,8 @@ def segment_initial_states(initial_states: torch.Tensor | None, boundaries: Shar
         return None
     states = initial_states.to(dtype)
     if padding:
-        states = torch.cat([states, states.new_zeros(boundaries.num_segments - boundaries.num_docs, *states.shape[1:])])
+        padding_rows = boundaries.local.num_segments - boundaries.local.num_docs
+        states = torch.cat([states, states.new_zeros(padding_rows, *states.shape[1:])])
     if boundaries.continues_from_previous and states.shape[0]:
         states = torch.cat([states.new_zeros(1, *states.shape[1:]), states[1:]])
     return states

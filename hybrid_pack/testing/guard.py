@@ -5,7 +5,8 @@ random tokens. The guard watches training itself. Attached to a model, it sees e
 made in training mode (from any trainer or loop) and checks the first one and every ``every``-th
 after it: a few documents of the row (the shortest, the longest, random others) run alone through
 the same model, in eval mode and without gradient, and each must give the output of its slice of
-the packed call. A difference beyond the tolerance of the precision the call ran in is a leak.
+the packed call. A relative error (:func:`hybrid_pack.isolation.relative_error`) beyond the tolerance of the
+precision the call ran in (:data:`hybrid_pack.isolation.TOLERANCE`) is a leak.
 
 The packed output compared is the call's logits. A model whose forward returns no logits (TRL's
 fused LM head returns per-token log-probabilities) is compared on the last hidden states of its
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import random
 import time
 import warnings
@@ -34,6 +34,8 @@ from typing_extensions import Self
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UncheckedError, UnsupportedModelError
+from hybrid_pack.isolation import relative_error
+from hybrid_pack.ops.dispatch.selector import is_discovering
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
@@ -73,7 +75,8 @@ class GuardRecord:
     Attributes:
         step: the training step (``guard.step`` as the trainer set it, else the packed call's index).
         ok: every checked document gave, alone, its output in the packed call within ``atol``.
-        max_diff: the largest difference, relative to the largest magnitude compared (at least 1).
+        max_diff: the largest relative error (:func:`hybrid_pack.isolation.relative_error`) of a checked
+            document's packed output against its output alone.
         documents: indices in the row of the checked documents: the shortest, the longest, then random ones.
         seconds: wall time of the check (localisation included).
         call: index of the packed training call among those the attached guard saw (None: a direct ``check``).
@@ -116,8 +119,8 @@ class PackingGuard:
         documents: documents checked per call (>= 2): the shortest and the longest always, then random ones.
         action: ``"raise"`` an :class:`~hybrid_pack.errors.IsolationError` on a leak, or ``"warn"``
             (an :class:`IsolationWarning`) and go on.
-        atol: tolerance on the difference relative to the largest magnitude compared (default: by the
-            least precise of the parameters', the output's and the autocast dtype; see ``DEFAULT_ATOL``).
+        atol: tolerance on the relative error (default: :data:`hybrid_pack.isolation.TOLERANCE` of the least
+            precise of the parameters', the output's and the autocast dtype).
         localize: on a leak, also name the first leaking module (reruns the worst document with hooks).
         seed: seeds the choice of the random documents.
         group: the process group whose ranks check together (docs/api.md §7b). None: the model's own, found at
@@ -200,8 +203,10 @@ class PackingGuard:
         self.detach()
 
     def _before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Count a packed training call and mark it when due; reads shapes only (no host sync)."""
-        if self._checking:
+        """Count a packed training call and mark it when due; reads shapes only (no host sync). The backends'
+        warm-up pass (``backends.verify(model=...)``) is no training call."""
+        if self._checking or is_discovering():
+            self._due = None
             return
         _refuse_context_parallel(kwargs.get(BOUNDARIES))
         if not module.training or not _is_packed(args, kwargs):
@@ -302,7 +307,7 @@ class PackingGuard:
                                                       with_labels=compared == HIDDEN_STATES))
                 alone, _ = self._packed_output(output, self._hidden, expected=compared)
                 if run < len(chosen):
-                    diffs.append(_relative_diff(packed[start:start + length], _rows(alone, length, compared)))
+                    diffs.append(relative_error(packed[start:start + length], _rows(alone, length, compared)))
             worst = chosen[max(range(len(diffs)), key=diffs.__getitem__)]
             leak = _Leak(rank=None, doc=worst, start=starts[worst], length=lengths[worst], diff=max(diffs),
                          atol=atol) if not all(d <= atol for d in diffs) else None
@@ -544,15 +549,6 @@ def _rows(output: torch.Tensor, tokens: int, compared: str | None) -> torch.Tens
         raise InputError(f"{compared or LOGITS}: expected shape [1, {tokens}, ...] for the {tokens} tokens of the "
                          f"batch; got {list(output.shape)}")
     return output.detach()
-
-
-def _relative_diff(packed: torch.Tensor, alone: torch.Tensor) -> float:
-    """Largest absolute difference over the largest magnitude (at least 1); non-finite counts as infinite."""
-    packed, alone = packed.float(), alone.float()
-    diff = (packed - alone).abs().max()
-    scale = torch.maximum(packed.abs().max(), alone.abs().max()).clamp(min=1.0)
-    value = float(diff / scale)
-    return value if math.isfinite(value) else math.inf
 
 
 def _randomised(model: nn.Module) -> bool:

@@ -7,6 +7,9 @@ returns logits:
 * perturbation: changing one document's tokens moves no other document's outputs;
 * gradients: one document's outputs have exactly zero gradient on other documents' input embeddings.
 
+Differences are relative errors (:func:`hybrid_pack.isolation.relative_error`) judged against the one
+tolerance table (:data:`hybrid_pack.isolation.TOLERANCE`), as in the guard and the backends' self-check.
+
 The outputs compared are the hidden states that enter the output head when the model has one
 (``get_output_embeddings()`` is an ``nn.Linear``), else the logits. The head maps each token's
 hidden state to its logits on its own (``logits[t] = W h[t]``), so a document's logits can depend
@@ -31,23 +34,29 @@ from tqdm.auto import tqdm
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, IsolationError
-from hybrid_pack.testing.layouts import Layout, adversarial_layouts, model_geometry
+from hybrid_pack.isolation import (
+    Layout,
+    adversarial_layouts,
+    leaked_gradient,
+    model_geometry,
+    relative_error,
+    tolerance_for,
+)
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
-__all__ = ["check_isolation", "assert_isolated", "IsolationError", "DEFAULT_ATOL"]
-
-DEFAULT_ATOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+__all__ = ["check_isolation", "assert_isolated", "IsolationError"]
 
 
 def dtype_tolerance(model: torch.nn.Module, output_dtype: torch.dtype, device: torch.device) -> float:
-    """The tolerance of the least precise dtype among the parameters', the output's and autocast's."""
+    """The tolerance (:data:`hybrid_pack.isolation.TOLERANCE`) of the least precise dtype among the parameters',
+    the output's and autocast's."""
     dtypes = {output_dtype}
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is not None:
         dtypes.add(param.dtype)
     if torch.is_autocast_enabled(device.type):
         dtypes.add(torch.get_autocast_dtype(device.type))
-    return max(DEFAULT_ATOL.get(dtype, DEFAULT_ATOL[torch.float32]) for dtype in dtypes)
+    return tolerance_for(dtypes)
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -89,13 +98,6 @@ def _output_head_skipped(model: torch.nn.Module) -> Iterator[bool]:
 
 def _identity(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
-
-
-def _max_abs(x: torch.Tensor) -> float:
-    """Largest magnitude; a non-finite entry counts as an infinite difference."""
-    if x.numel() == 0:
-        return 0.0
-    return x.abs().max().item() if torch.isfinite(x).all() else float("inf")
 
 
 def _first_tensor(value: Any, t_len: int) -> torch.Tensor | None:
@@ -164,14 +166,13 @@ def _origin(first: list[_Call], second: list[_Call], pick_first: Any, pick_secon
     """The first module whose output differs between two runs while none of its inputs does.
 
     ``pick_first`` / ``pick_second`` select the compared tokens of a ``[1, T, ...]`` tensor of each run.
-    Differences are judged relative to each tensor's own magnitude (activations of small random models
-    are tiny, and a later norm can blow a small leak up). Falls back to the first module whose output
-    differs when every such module had a differing input.
+    Differences are judged relative to each tensor's own magnitude (:func:`~hybrid_pack.isolation.relative_error`:
+    activations of small random models are tiny, and a later norm can blow a small leak up). Falls back to the
+    first module whose output differs when every such module had a differing input.
     """
 
     def differs(a: torch.Tensor, b: torch.Tensor) -> bool:
-        x, y = pick_first(a), pick_second(b)
-        return x.shape != y.shape or _max_abs(x - y) > atol * max(_max_abs(x), _max_abs(y), 1e-30)
+        return not relative_error(pick_first(a), pick_second(b)) <= atol
 
     def keyed(calls: list[_Call]) -> dict[tuple[str, int], _Call]:
         seen: dict[str, int] = {}
@@ -222,8 +223,7 @@ def _first_backward_leak(model: torch.nn.Module, loss_fn: Any, others: torch.Ten
 def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, generator: torch.Generator,
                   device: torch.device, dtype: torch.dtype, *, documents: Sequence[Sequence[int]] | None,
                   grads: bool, per_layer: bool, atol: float, grad_atol: float, bar: tqdm) -> LayoutResult:
-    boundaries = PackedBoundaries.from_lengths(list(layout.lengths) + ([layout.num_pad_tokens] if layout.num_pad_tokens
-                                               else []), device=device, num_pad_tokens=layout.num_pad_tokens)
+    boundaries = layout.boundaries(device)
     t_len = boundaries.total_tokens
     if documents is not None:
         ids = torch.cat([torch.as_tensor(d, dtype=torch.long) for d in documents]).to(device)
@@ -239,13 +239,12 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
     with torch.no_grad():
         packed = _run(model, boundaries, ids=ids).float()
     bar.update()
-    scale = max(1.0, packed.abs().max().item()) if torch.isfinite(packed).all() else 1.0
     with torch.no_grad():
         for doc in result.documents:
             s, e = starts[doc.index], starts[doc.index] + doc.length
             lone = PackedBoundaries.from_lengths([doc.length], device=device)
             alone = _run(model, lone, ids=ids[s:e]).float()
-            doc.alone_diff = _max_abs(packed[s:e] - alone) / scale
+            doc.alone_diff = relative_error(packed[s:e], alone)
             bar.update()
     for doc in result.documents:
         s, e = starts[doc.index], starts[doc.index] + doc.length
@@ -255,7 +254,7 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
         moved_ids[s:e] = (ids[s:e] + shift) % vocab_size
         with torch.no_grad():
             moved = _run(model, boundaries, ids=moved_ids).float()
-        doc.perturbation_leak = _max_abs(moved[others] - packed[others]) / scale
+        doc.perturbation_leak = relative_error(moved[others], packed[others])
         bar.update()
         if doc.perturbation_leak > atol and result.first_leaking_module is None and per_layer:
             result.first_leaking_module = _origin(_recorded_calls(model, boundaries, ids),
@@ -282,7 +281,7 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
             s, e = starts[doc.index], starts[doc.index] + doc.length
             others = (positions < s) | (positions >= e)
             (grad,) = torch.autograd.grad((logits[s:e] * weights[s:e]).sum(), embeds, retain_graph=True)
-            doc.gradient_leak = _max_abs(grad[others])
+            doc.gradient_leak = leaked_gradient(grad, slice(s, e))
             bar.update()
             if doc.gradient_leak > grad_atol and result.first_leaking_module is None and per_layer:
 
@@ -321,7 +320,8 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
         grads: run the gradient check (needs ``get_input_embeddings`` and ``inputs_embeds``).
         per_layer: localise a leak to the first leaking module.
         seed: seeds the random tokens and gradient weights.
-        atol: tolerance on logit differences, relative to the largest logit magnitude (default by dtype).
+        atol: tolerance on the relative error of the outputs (:func:`~hybrid_pack.isolation.relative_error`); default:
+            :data:`~hybrid_pack.isolation.TOLERANCE` of the least precise of the parameters' and autocast's dtype.
         grad_atol: tolerance on cross-document gradients (default exactly zero).
         num_pad_tokens: add a trailing padding segment to the ``lengths`` / ``documents`` layout.
         max_tokens: longest default layout.
@@ -338,7 +338,7 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None else torch.float32
-    atol = DEFAULT_ATOL.get(dtype, 1e-4) if atol is None else float(atol)
+    atol = dtype_tolerance(model, dtype, device) if atol is None else float(atol)
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab_size is None and documents is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hybrid_pack.distributed import Group
 
@@ -19,10 +20,11 @@ __all__ = ["model_group"]
 def model_group(model: nn.Module, group: Group | None = None) -> Group | None:
     """The process group whose ranks must run ``model``'s checks together, or None (each rank checks alone).
 
-    ``group`` when given; else, once a process group is initialised: an FSDP2 module's mesh (the world for a
-    mesh of several dimensions), an FSDP1 module's or a ``DistributedDataParallel`` wrapper's process group (a
-    DDP forward is local, but a rank raising alone leaves the others waiting in the backward), the world for
-    DeepSpeed ZeRO-3 parameters (``ds_id``); None for an unsharded model or a group of one rank.
+    ``group`` when given; else, once a process group is initialised: for FSDP2 the mesh of its sharded
+    parameters (DTensors; the world for a mesh of several dimensions, or while no parameter is sharded, between
+    an unsharding forward and its backward), an FSDP1 module's or a ``DistributedDataParallel`` wrapper's process
+    group (a DDP forward is local, but a rank raising alone leaves the others waiting in the backward), the world
+    for DeepSpeed ZeRO-3 parameters (``ds_id``); None for an unsharded model or a group of one rank.
     """
     if group is None and dist.is_available() and dist.is_initialized():
         group = _sharding_group(model)
@@ -36,12 +38,11 @@ def _sharding_group(model: nn.Module) -> Group | None:
 
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.process_group
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            groups = module._get_fsdp_state()._fsdp_param_groups
-            if groups:
-                mesh = groups[0].mesh_info.mesh
-                return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+    modules = list(model.modules())
+    if any(isinstance(module, FSDPModule) for module in modules):
+        mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+        return mesh.get_group() if mesh is not None and mesh.ndim == 1 else dist.group.WORLD
+    for module in modules:
         if isinstance(module, FullyShardedDataParallel):
             return module.process_group
     if any(hasattr(p, "ds_id") for p in model.parameters()):

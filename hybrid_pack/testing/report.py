@@ -14,11 +14,13 @@ class DocumentResult:
     Attributes:
         index: position of the document in the row.
         length: its tokens.
-        alone_diff: max |outputs packed - outputs of the document run alone| (relative to the largest output); the
-            outputs are the report's ``compared`` (logits, or the hidden states entering the output head); on a
-            training step, whatever it is judged by: per-token log-probs or its loss (absolute), or logits.
-        perturbation_leak: max change of *other* documents' outputs when this document's tokens change.
-        gradient_leak: max |d (random weighting of this document's outputs) / d embeddings of other documents|.
+        alone_diff: the relative error (:func:`hybrid_pack.isolation.relative_error`) of the document's outputs in
+            the packed row against its outputs run alone; the outputs are the report's ``compared`` (logits, or the
+            hidden states entering the output head); on a training step, whatever it is judged by: per-token
+            log-probs or logits, or its loss.
+        perturbation_leak: the relative error of *other* documents' outputs when this document's tokens change.
+        gradient_leak: max |d (random weighting of this document's outputs) / d embeddings of other documents|
+            (:func:`hybrid_pack.isolation.leaked_gradient`).
     """
 
     index: int
@@ -54,8 +56,9 @@ class LayoutResult:
 class IsolationReport:
     """Outcome of :func:`~hybrid_pack.testing.check_isolation`.
 
-    ``ok`` is true when every document of every layout matched its lone run within ``atol`` and no
-    document's tokens or gradients reached another document.
+    ``ok`` is true when every document of every layout matched its lone run within ``atol`` (by default the
+    dtype's :data:`hybrid_pack.isolation.TOLERANCE`) and no document's tokens or gradients reached another
+    document.
     """
 
     model: str

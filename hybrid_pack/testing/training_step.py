@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError
+from hybrid_pack.isolation import leaked_gradient, relative_error
 from hybrid_pack.schema import (
     BOUNDARY_KEYS,
     IGNORE_INDEX,
@@ -41,7 +42,7 @@ from hybrid_pack.schema import (
     LABELS,
     NUM_PAD_TOKENS,
 )
-from hybrid_pack.testing.isolation import _first_backward_leak, _max_abs, _origin, _record_calls, dtype_tolerance
+from hybrid_pack.testing.isolation import _first_backward_leak, _origin, _record_calls, dtype_tolerance
 from hybrid_pack.testing.ranks import model_group
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
@@ -279,23 +280,27 @@ class _Probe:
         return mask
 
 
-def _check_document(probe: _Probe, doc: _Document, packed: _Run, scale: float, *, grads: bool) -> None:
+def _check_document(probe: _Probe, doc: _Document, packed: _Run, *, grads: bool) -> None:
     """Fill ``doc.result.alone_diff`` and, with ``grads``, ``doc.result.gradient_leak``."""
     alone = probe.run_alone(doc)
     if probe.per_token:
         doc.count = alone.values.shape[1]
-        diff = packed.values[0, doc.start:doc.start + doc.count].float() - alone.values[0].float()
+        in_row, by_itself = packed.values[0, doc.start:doc.start + doc.count], alone.values[0]
+        if in_row.shape != by_itself.shape:     # two different quantities: no verdict either way
+            raise InputError(f"step: on the packed batch it returned {packed.quantity} {list(packed.values.shape)}, "
+                             f"on document {doc.result.index} alone {alone.quantity} {list(alone.values.shape)}; "
+                             "the step must return the same per-token values for both (or pass per_token=False)")
+        doc.result.alone_diff = relative_error(in_row, by_itself)
     else:
         doc.count = doc.result.length
-        diff = probe.run(doc).loss.detach().float() - alone.loss.detach().float()
-    doc.result.alone_diff = _max_abs(diff) / scale
+        doc.result.alone_diff = relative_error(probe.run(doc).loss, alone.loss)
     if grads:
         run = probe.run(doc, grad=True)
         if run.embeds is None:
             return
         with _parameter_grads_kept(probe.model):
             probe.objective(run, doc).backward()
-        doc.result.gradient_leak = _max_abs(run.embeds.grad[0, probe.others(doc, run.embeds.device)])
+        doc.result.gradient_leak = leaked_gradient(run.embeds.grad[0], slice(doc.start, doc.stop))
 
 
 def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: float, grad_atol: float,
@@ -341,13 +346,6 @@ def _agree_on_layout(layout: LayoutResult, group: Group) -> None:
     finders = [r for r, (leaked,) in enumerate(gather_rows([float(not layout.ok)], group)) if leaked]
     if finders:
         layout.ok, layout.leak_rank = False, dist.get_global_rank(group, finders[0])
-
-
-def _logit_scale(logits: torch.Tensor) -> float:
-    """Logit differences are judged relative to the largest logit (at least 1), as :func:`check_isolation` does;
-    log-probabilities and losses, already on a log scale, are judged as they are."""
-    largest = _max_abs(logits.detach().float())
-    return max(1.0, largest) if largest != float("inf") else 1.0
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -400,9 +398,9 @@ def check_training_step(step: Any, batch: Mapping[str, Any] | None = None, *, mo
         per_layer: name the first leaking module on a leak.
         train: run in training mode (gradient checkpointing and other training-only paths active), with every
             dropout module off; each module's mode is restored afterwards.
-        atol: tolerance on differences from the lone runs (default by dtype,
-            :data:`~hybrid_pack.testing.DEFAULT_ATOL`): absolute for log-probabilities and losses, relative to
-            the largest logit for logits.
+        atol: tolerance on the relative error (:func:`~hybrid_pack.isolation.relative_error`) of each document's
+            values against its lone run; default: :data:`~hybrid_pack.isolation.TOLERANCE` of the least precise of
+            the parameters', the values' and autocast's dtype.
         grad_atol: tolerance on cross-document gradients (default exactly zero).
         seed: seeds the random weighting of each document's values in the gradient check.
         group: the process group whose ranks check together (docs/api.md §7b); None: the model's own (a trainer's
@@ -468,12 +466,11 @@ def _check(step: Step, batch: dict[str, Any], model: torch.nn.Module, name: str,
                              f"step; add {LABELS}, or return the model output so per-token values can be judged")
         layout.name = f"training step: per-token {packed.quantity}" if per_token else "training step: per-document loss"
         probe = _Probe(step, model, batch, per_token, t_len, torch.Generator().manual_seed(seed))
-        scale = _logit_scale(packed.values) if per_token and packed.quantity == "logits" else 1.0
         try:
             runs = len(docs) if group is None else int(agree_max([len(docs)], group)[0])
             for run in range(runs):     # past this rank's own documents: a replay, its figures dropped
                 doc = docs[run % len(docs)]
-                _check_document(probe, doc if run < len(docs) else copy.deepcopy(doc), packed, scale, grads=grads)
+                _check_document(probe, doc if run < len(docs) else copy.deepcopy(doc), packed, grads=grads)
             layout.ok = all(d.result.alone_diff <= atol and (d.result.gradient_leak or 0.0) <= grad_atol for d in docs)
             if group is not None:
                 _agree_on_layout(layout, group)

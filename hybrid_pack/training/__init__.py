@@ -1,10 +1,29 @@
 """Packed supervised fine-tuning (``hybrid-pack train`` / ``hybrid-pack demo``).
 
-``IsolationFailed`` is :class:`hybrid_pack.errors.IsolationError` under the name this module always used.
+``IsolationFailed`` is :class:`hybrid_pack.errors.IsolationError` under the name this module always used. The
+settings import alone (the command line builds its options from them); the trainer is imported on first use.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from hybrid_pack.training.config import DEFAULT_GUARD_EVERY, TrainConfig
-from hybrid_pack.training.padded import PaddingCollator
-from hybrid_pack.training.trainer import IsolationFailed, build_model, train
+
+_LAZY = {
+    "IsolationFailed": "hybrid_pack.training.trainer",
+    "build_model": "hybrid_pack.training.trainer",
+    "train": "hybrid_pack.training.trainer",
+    "PaddingCollator": "hybrid_pack.training.padded",
+}
 
 __all__ = ["DEFAULT_GUARD_EVERY", "IsolationFailed", "PaddingCollator", "TrainConfig", "build_model", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,80 +1,83 @@
-"""Settings of one training run (``hybrid-pack train``)."""
+"""Settings of one training run (``hybrid-pack train``): each field declared once, with its meaning.
+
+``hybrid-pack train`` takes every field as ``--kebab-case`` (:mod:`hybrid_pack.cli` builds the options from these
+fields). A field's metadata holds its ``help``, and where they apply its ``choices`` (the values the option takes
+and the config accepts) and ``metavar`` (the value's name in the usage line).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES
-from hybrid_pack.training.reporting import report_targets
+from hybrid_pack.training.reporting import REPORT_TARGETS, report_targets
 
 DEFAULT_GUARD_EVERY = 100
 """Packed micro-batches between two checks of the runtime guard (docs/guard.md: its cost at this N)."""
 
+DTYPES = ("auto", "float32", "bfloat16")
+"""``dtype``: ``"auto"`` is bf16 autocast where the device has it, else float32."""
+
 
 @dataclass
 class TrainConfig:
-    """Packed supervised fine-tuning settings.
+    """Packed supervised fine-tuning settings. Each field's meaning is its ``help``
+    (``dataclasses.fields(TrainConfig)``, or ``hybrid-pack train --help``)."""
 
-    Attributes:
-        model: a preset name (``qwen3-next-tiny``) or a local Hugging Face model directory.
-        data: ``"gsm8k"`` (bundled) or the path of a JSONL file of chats (``{"messages": [...]}``).
-        out: run directory (metrics.json, plots, checkpoint).
-        capacity: tokens per packed row.
-        max_examples: use the first N examples (None = all).
-        overflow: an example longer than ``capacity``: ``"error"`` (default, as :func:`~hybrid_pack.plan_packs`:
-            raise naming it), ``"truncate"`` (keep its first ``capacity`` tokens), ``"split"`` (pieces of at
-            most ``capacity`` tokens, each its own document) or ``"drop"``; every one is counted in metrics.json.
-        epochs / max_steps: stop after the epochs or the optimizer steps, whichever comes first.
-        grad_accum: packed rows per optimizer step.
-        lr, warmup_steps, weight_decay, min_lr_ratio: AdamW with linear warm-up and cosine decay.
-        dtype: ``"auto"`` (bf16 autocast where the device has it, else float32), ``"float32"`` or ``"bfloat16"``.
-        compare_padded: also train the same examples, in the same order and groups, in padded batches.
-        isolation_check: run the cross-contamination harness on the model first.
-        checkpoint_every: optimizer steps between checkpoints (0 = only at the end).
-        resume: continue from ``out/checkpoint.pt`` (``out/checkpoint/`` with ``fsdp``).
-        report_to: per-step metrics to ``"tensorboard"`` and / or ``"wandb"`` (a name or a list), ``"all"``
-            installed, or ``"none"`` (default), as ``transformers.TrainingArguments.report_to``.
-        guard_every: the runtime guard (:class:`~hybrid_pack.testing.PackingGuard`) checks the first packed
-            micro-batch and every N-th after it against its documents run alone; 0 turns it off.
-        fsdp: under torchrun, shard the model with FSDP2 (every decoder block and the root) instead of DDP,
-            checkpoints with ``torch.distributed.checkpoint`` (:mod:`hybrid_pack.training.sharded`).
-        context_parallel: ranks that share each packed row under torchrun (docs/parallel.md); the others
-            are data-parallel replicas. Above 1 the guard is off (it checks whole rows).
-        compile: ``torch.compile`` the model's forward and feed it static batches (docs/compile.md): every row
-            ``capacity`` tokens and at most as many documents as the fullest pack of the plan, one graph.
-    """
-
-    model: str = "qwen3-next-tiny"
-    data: str = "gsm8k"
-    out: str = "runs/train"
-    capacity: int = 2048
-    max_examples: int | None = None
-    overflow: str = "error"
-    epochs: int = 1
-    max_steps: int | None = None
-    grad_accum: int = 1
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    min_lr_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    dtype: str = "auto"
-    seed: int = 0
-    device: str | None = None
-    compare_padded: bool = False
-    isolation_check: bool = False
-    checkpoint_every: int = 0
-    resume: bool = False
-    guard_every: int = DEFAULT_GUARD_EVERY
-    report_to: str | list[str] = "none"
-    log_every: int = 1
-    fsdp: bool = False
-    context_parallel: int = 1
-    progress: bool = True
-    compile: bool = False
+    model: str = field(default="qwen3-next-tiny", metadata={
+        "help": "preset name or a local Hugging Face model directory"})
+    data: str = field(default="gsm8k", metadata={
+        "help": "'gsm8k' (bundled) or a JSONL file of {'messages': [...]} chats"})
+    out: str = field(default="runs/train", metadata={"help": "run directory (metrics.json, plots, checkpoint)"})
+    capacity: int = field(default=2048, metadata={"help": "tokens per packed row"})
+    max_examples: int | None = field(default=None, metadata={"help": "use the first N examples; all when not given"})
+    overflow: str = field(default=OVERFLOW_POLICIES[0], metadata={
+        "help": "an example longer than --capacity: error (stop, naming it, as plan_packs), truncate (keep its "
+                "first --capacity tokens), split (cut it into pieces) or drop (leave it out); counted in "
+                "metrics.json",
+        "choices": OVERFLOW_POLICIES})
+    epochs: int = field(default=1, metadata={"help": "passes over the data (or --max-steps, whichever ends first)"})
+    max_steps: int | None = field(default=None, metadata={
+        "help": "stop after this many optimizer steps; the epochs' when not given"})
+    grad_accum: int = field(default=1, metadata={"help": "packed rows per optimizer step"})
+    lr: float = field(default=3e-3, metadata={"help": "AdamW's peak learning rate (linear warm-up, cosine decay)"})
+    warmup_steps: int = field(default=10, metadata={
+        "help": "optimizer steps of linear warm-up (at most a tenth of the run)"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW's weight decay"})
+    min_lr_ratio: float = field(default=0.1, metadata={
+        "help": "the learning rate at the end of the cosine decay, over --lr"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradients clipped to this total norm"})
+    dtype: str = field(default=DTYPES[0], metadata={
+        "help": "auto: bf16 autocast where the device has it", "choices": DTYPES})
+    seed: int = field(default=0, metadata={
+        "help": "seeds the model's weights, the packing order and the guard's documents"})
+    device: str | None = field(default=None, metadata={
+        "help": "cpu, cuda, cuda:1 ...; cuda if available when not given"})
+    compare_padded: bool = field(default=False, metadata={
+        "help": "also train the same example groups in padded batches and compare"})
+    isolation_check: bool = field(default=False, metadata={"help": "run the isolation harness on the model first"})
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "optimizer steps between checkpoints; 0: only at the end"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from OUT/checkpoint.pt (OUT/checkpoint/ with --fsdp)"})
+    guard_every: int = field(default=DEFAULT_GUARD_EVERY, metadata={
+        "help": "the runtime leak guard checks the first packed micro-batch and every N-th after it against its "
+                "documents run alone; 0 turns it off (docs/guard.md)",
+        "metavar": "N"})
+    report_to: str | list[str] = field(default="none", metadata={
+        "help": "per-step metrics to TensorBoard (OUT/runs) and / or wandb, as transformers' report_to",
+        "metavar": "{" + ",".join(("none", "all", *REPORT_TARGETS)) + "}"})
+    fsdp: bool = field(default=False, metadata={
+        "help": "under torchrun: shard every decoder block and the root with FSDP2 (bf16 mixed precision on CUDA), "
+                "checkpoints in OUT/checkpoint/ with torch.distributed.checkpoint"})
+    context_parallel: int = field(default=1, metadata={
+        "help": "under torchrun: split each packed row across N ranks (docs/parallel.md)", "metavar": "N"})
+    progress: bool = field(default=True, metadata={"help": "a progress bar on rank 0"})
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile the model on static batches: one graph for every row (docs/compile.md)"})
 
     def __post_init__(self) -> None:
         for name in ("capacity", "epochs", "grad_accum", "context_parallel"):
@@ -86,11 +89,12 @@ class TrainConfig:
             raise InputError(f"max_steps: expected a positive int or None; got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:
             raise InputError(f"max_examples: expected a positive int or None; got {self.max_examples}")
-        if self.overflow not in OVERFLOW_POLICIES:
-            raise InputError(f"overflow: expected one of {', '.join(OVERFLOW_POLICIES)}; got {self.overflow!r}")
+        for setting_field in fields(self):
+            choices, value = setting_field.metadata.get("choices"), getattr(self, setting_field.name)
+            if choices is not None and value not in choices:
+                raise InputError(f"{setting_field.name}: expected one of {', '.join(map(repr, choices))}; "
+                                 f"got {value!r}")
         report_targets(self.report_to)
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise InputError(f"dtype: expected 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
         if self.fsdp and self.context_parallel > 1:
             raise InputError("fsdp: FSDP2 together with context_parallel > 1 is not supported yet (its gradient "
                              "reduction would average over the context-parallel ranks); use one of the two")

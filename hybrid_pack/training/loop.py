@@ -7,6 +7,7 @@ packed rows, ``boundaries``). The loss of a step is the mean over its target tok
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybrid_pack import backends
 from hybrid_pack.schema import BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.config import TrainConfig
@@ -60,6 +62,13 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
         torch.cuda.reset_peak_memory_stats(device)
     step = start_step
     batches = iter(steps)
+    first = next(batches, None) if step < total_steps else None
+    if first is not None and (world > 1 or cfg.compile):
+        # The backends' warm-up (collective under torch.distributed): one verdict per op and key for every rank,
+        # and every kernel checked before a compiled graph is traced (no check runs in a trace).
+        with amp:
+            backends.verify(model=model, batch=_inputs(first[0], device, torch.tensor(count_targets(first[0]))))
+    batches = itertools.chain([] if first is None else [first], batches)
     while step < total_steps:  # checked before drawing: a drawn step is a trained step
         micro_batches = next(batches, None)
         if micro_batches is None:
@@ -98,13 +107,8 @@ def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], opt
         dist.all_reduce(items)
     step_loss = 0.0
     for mb in micro_batches:
-        boundaries = mb.get(BOUNDARIES)
-        inputs = {key: value.to(device, non_blocking=True) for key, value in mb.items()
-                  if isinstance(value, torch.Tensor)}
-        inputs[BOUNDARIES] = boundaries.to(device) if boundaries is not None else None
-        inputs[NUM_ITEMS_IN_BATCH] = items
         with amp:
-            out = model(**inputs)
+            out = model(**_inputs(mb, device, items))
         loss = out.loss * world
         loss.backward()
         step_loss += float(loss.detach()) / world
@@ -119,6 +123,16 @@ def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], opt
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return step_loss
+
+
+def _inputs(micro_batch: MicroBatch, device: torch.device, items: torch.Tensor) -> dict[str, Any]:
+    """The model's keyword arguments for one micro-batch, on ``device`` (``items``: the step's target count)."""
+    boundaries = micro_batch.get(BOUNDARIES)
+    inputs = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()
+              if isinstance(value, torch.Tensor)}
+    inputs[BOUNDARIES] = boundaries.to(device) if boundaries is not None else None
+    inputs[NUM_ITEMS_IN_BATCH] = items.to(device)
+    return inputs
 
 
 def _progress_bar(cfg: TrainConfig, total_steps: int, start_step: int, describe: str) -> Any:

@@ -132,17 +132,20 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     lengths = [len(f[INPUT_IDS]) for f in features]
     replica, replicas = proc.replica
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=replicas, rank=replica, seed=cfg.seed)
-    if cfg.compile:  # the static shape (SPEC §9): every row `capacity` tokens, the fullest pack's documents
+    if cfg.compile:  # the static shape (docs/api.md §9): every row `capacity` tokens, the fullest pack's documents
         metrics.update(pack_length=cfg.capacity, max_documents=int(sampler.plan.pack_num_documents.max()))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
+    # Compiled, the packed run goes through the compiled module; the guard hooks that module, so its checks run
+    # outside the graph, and the padded comparison (other shapes) runs the model itself, eagerly.
+    packed_model = torch.compile(model) if cfg.compile else model
     guarded = cfg.guard_every and proc.mesh is None  # the guard checks whole rows, not context-parallel shards
     if cfg.guard_every and not guarded:
         metrics["guard_off"] = ("context-parallel shards: the guard checks whole rows; prove isolation with "
                                 "check_isolation (hybrid-pack check) on the unsharded model")
-    guard = PackingGuard(model, every=cfg.guard_every, seed=cfg.seed,
+    guard = PackingGuard(packed_model, every=cfg.guard_every, seed=cfg.seed,
                          group=dist.group.WORLD if proc.world > 1 else None).attach() if guarded else None
     try:
-        stats = _train_packed(model, features, sampler, cfg, proc, guard, metrics.get("max_documents"))
+        stats = _train_packed(model, packed_model, features, sampler, cfg, proc, guard, metrics.get("max_documents"))
     except IsolationError:
         _write_metrics(proc, metrics, guard)
         raise
@@ -240,15 +243,18 @@ def _check_isolation_first(model: torch.nn.Module, cfg: TrainConfig, proc: _Proc
         raise IsolationError(f"isolation check failed; not training a model that mixes documents:\n{report}", report)
 
 
-def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler,
-                  cfg: TrainConfig, proc: _Process, guard: PackingGuard | None, max_documents: int | None) -> RunStats:
-    """The packed run: DDP over ranks, a fresh or resumed optimizer, checkpoints, the guard naming each step.
+def _train_packed(model: torch.nn.Module, packed_model: torch.nn.Module, features: Sequence[dict[str, Any]],
+                  sampler: PackedBatchSampler, cfg: TrainConfig, proc: _Process, guard: PackingGuard | None,
+                  max_documents: int | None) -> RunStats:
+    """The packed run of ``packed_model`` (``model``, or with ``cfg.compile`` its compiled module): DDP over ranks,
+    a fresh or resumed optimizer, checkpoints of ``model``, the guard naming each step.
 
-    With ``max_documents`` (``cfg.compile``) the rows are static batches and the model's forward is compiled
-    (its hooks, the guard's, stay outside the graph); ``stats.compiles`` counts the graphs compiled.
+    With ``max_documents`` (``cfg.compile``) the rows are static batches; ``stats.compiles`` counts the graphs
+    compiled during the run.
     """
     total_steps = min(cfg.max_steps or 10**12, math.ceil(len(sampler) / cfg.grad_accum) * cfg.epochs)
-    trained = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 and not cfg.fsdp else model
+    trained = (torch.nn.parallel.DistributedDataParallel(packed_model) if proc.world > 1 and not cfg.fsdp
+               else packed_model)
     optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
     start_step, stats = 0, RunStats()
     if cfg.resume and cfg.fsdp:
@@ -271,8 +277,6 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
     steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator, proc.cp_group,
                          cfg.context_parallel)
     graphs_before = counters["stats"]["unique_graphs"]
-    if max_documents:
-        model.forward = torch.compile(model.forward)
     try:
         return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device,
                           autocast=proc.autocast, world=proc.world, describe="packed", optimizer=optimizer,
@@ -280,7 +284,6 @@ def _train_packed(model: torch.nn.Module, features: Sequence[dict[str, Any]], sa
     finally:
         reporter.close()
         if max_documents:
-            del model.forward  # the padded comparison (other shapes) runs eagerly
             stats.compiles = counters["stats"]["unique_graphs"] - graphs_before
 
 
@@ -385,4 +388,4 @@ class _PackedSteps:
         shard = shard_batch(batch, self.cp_group)
         boundaries = shard[BOUNDARIES]
         return {INPUT_IDS: shard[INPUT_IDS], LABELS: shard[LABELS], SHIFT_LABELS: shard[SHIFT_LABELS],
-                BOUNDARIES: boundaries, REAL_TOKENS: boundaries.total_tokens - boundaries.num_pad_tokens}
+                BOUNDARIES: boundaries, REAL_TOKENS: boundaries.local.total_tokens - boundaries.local.num_pad_tokens}

@@ -1,5 +1,5 @@
-"""The kernel benchmark on CPU: a backend that fails at benchmark size, or has no known direct call, is reported
-as such while every other backend's figures stand."""
+"""The kernel benchmark on CPU: a backend that fails at benchmark size, or has no known direct call
+(benchmarks/bench_kernels.py's adapter overhead), is reported as such while every other backend's figures stand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.bench_kernels import adapter_overhead, overhead_table
 from hybrid_pack import backends
 from hybrid_pack.bench.kernels import benchmark_backend
 from hybrid_pack.bench.report import kernel_table
@@ -48,11 +49,13 @@ def test_a_backend_without_a_known_direct_call_keeps_its_public_op_times() -> No
     result = benchmark_backend(get_backend("conv", "user_conv"), torch.float32, torch.device("cpu"), TOKENS,
                                repeats=1)
     assert not result.skipped
-    assert "no direct call known for backend conv/user_conv" in result.direct_kernel_failed
     assert all(ms > 0 for ms in (result.one_document_ms, result.mixed_ms, result.short_documents_ms))
     assert result.mixed_documents > 10 and result.short_documents > 100
-    row = kernel_table([result]).splitlines()[-1]
-    assert "failed: LookupError" in row and f"{result.mixed_ms:.3f} ({result.mixed_documents})" in row
+    assert f"{result.mixed_ms:.3f} ({result.mixed_documents})" in kernel_table([result]).splitlines()[-1]
+    overhead = adapter_overhead(result, torch.device("cpu"), torch.float32, repeats=1)
+    assert "no direct call known for backend conv/user_conv" in overhead.direct_kernel_failed
+    row = overhead_table([overhead]).splitlines()[-1]
+    assert "failed: LookupError" in row and f"{result.mixed_ms:.3f}" in row
 
 
 def test_a_backend_failing_at_benchmark_size_is_skipped_with_its_error() -> None:
@@ -66,5 +69,7 @@ def test_a_backend_failing_at_benchmark_size_is_skipped_with_its_error() -> None
 
 def test_the_reference_backend_is_timed_directly_too() -> None:
     result = benchmark_backend(reference_of("conv"), torch.float32, torch.device("cpu"), TOKENS, repeats=1)
-    assert not result.skipped and not result.direct_kernel_failed
-    assert result.direct_kernel_ms > 0
+    overhead = adapter_overhead(result, torch.device("cpu"), torch.float32, repeats=1)
+    assert not result.skipped and not overhead.direct_kernel_failed
+    assert overhead.direct_kernel_ms > 0 and overhead.public_op_ms == result.mixed_ms
+    assert f"{overhead.adapter_overhead:+.1%}" in overhead_table([overhead])

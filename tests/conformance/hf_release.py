@@ -1,4 +1,4 @@
-"""transformers' own common tests, imported from the INSTALLED release's source distribution (SPEC §6a).
+"""transformers' own common tests, imported from the INSTALLED release's source distribution (docs/api.md §6a).
 
 Where they come from: ``scripts/fetch_transformers_tests.sh VENV`` (run by ``make test``'s set-up, the
 ``$(VENV)/.test`` target) downloads ``transformers==<installed version>``'s sdist from PyPI

@@ -1,4 +1,4 @@
-"""The conformance tier (SPEC §6a): transformers' own ``ModelTesterMixin`` (``tests/test_modeling_common.py``
+"""The conformance tier (docs/api.md §6a): transformers' own ``ModelTesterMixin`` (``tests/test_modeling_common.py``
 of the installed release's source distribution, see :mod:`tests.conformance.hf_release`) over every
 supported family, unpatched and patched. The contract: every test that passes unpatched passes patched.
 

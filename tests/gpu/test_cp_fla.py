@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_pack.ops.dispatch.selfcheck import TOLERANCE
+from hybrid_pack.isolation import TOLERANCE
 from tests.workers.cp_fla import CASES
 from tests.workers.cp_recurrent import LAYOUTS
 from tests.workers.launch import torchrun

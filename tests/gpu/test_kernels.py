@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack import PackedBoundaries
-from hybrid_pack.bench.layouts import real_size_layout
+from hybrid_pack.isolation import real_size_layout
 from hybrid_pack.ops.dispatch.contract import Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, reference_of
 from hybrid_pack.ops.dispatch.selfcheck import run_check
@@ -76,14 +75,13 @@ def test_backend_keeps_documents_apart_at_real_size(case: str, backend: str, dty
     contract = contract_of(op)
     layout = real_size_layout(contract.edge(signature))
     if chosen.accepts is not None:
-        boundaries = PackedBoundaries.from_document_lengths(layout[0], num_pad_tokens=layout[1], device=cuda)
-        case_inputs = contract.make_case(signature, boundaries, torch.Generator().manual_seed(0)).arguments
+        case_inputs = contract.make_case(signature, layout.boundaries(cuda), torch.Generator().manual_seed(0)).arguments
         why = chosen.accepts({**case_inputs, "requires_grad": True})
         if why:
             pytest.skip(f"{op}/{backend} refuses this signature (the call goes to the next backend): {why}")
     result = run_check(chosen, reference_of(op), contract, signature, cuda, True, layout=layout)
     measured.append({"case": case, "op": op, "backend": backend, "dtype": dtype, "ok": result.ok,
                      "max_error": result.max_error, "seconds": result.seconds, "reason": result.reason,
-                     "tokens": sum(layout[0]) + layout[1], "documents": len(layout[0])})
+                     "tokens": layout.total_tokens, "documents": len(layout.lengths)})
     assert result.ok, result.reason
 

@@ -1,4 +1,4 @@
-"""Compiled Hugging Face training on static batches (SPEC §9): a patched model compiles once and never
+"""Compiled Hugging Face training on static batches (docs/api.md §9): a patched model compiles once and never
 recompiles across static batches, with the loss eager gives on the plain batch; ``PackedTrainer`` under
 ``TrainingArguments(torch_compile=True)`` trains a native preset on one graph.
 

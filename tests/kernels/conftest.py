@@ -33,7 +33,7 @@ if SKIP_REASON and os.environ.get("HYBRID_PACK_REQUIRE_KERNELS") == "1":
     raise pytest.UsageError(f"HYBRID_PACK_REQUIRE_KERNELS=1 but the tier cannot run: {SKIP_REASON}")
 
 if not SKIP_REASON:
-    from hybrid_pack.testing.triton_cpu import enable_cpu_interpreter
+    from tests.kernels.triton_cpu import enable_cpu_interpreter
 
     enable_cpu_interpreter()
 

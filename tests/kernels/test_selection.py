@@ -13,8 +13,8 @@ from hybrid_pack.backends import available, get_backend, resolve, select, use_ba
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule
 from hybrid_pack.ops.conv.kernel_causal_conv1d import conv_accepts
 from hybrid_pack.ops.triton_device import cpu_interpreter_enabled
-from hybrid_pack.testing.triton_cpu import CUDA_EXTENSIONS, enable_cpu_interpreter
 from tests import kit
+from tests.kernels.triton_cpu import CUDA_EXTENSIONS, enable_cpu_interpreter
 
 pytestmark = pytest.mark.kernels
 

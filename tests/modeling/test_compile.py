@@ -1,4 +1,4 @@
-"""``torch.compile(model, fullgraph=True)`` of the native presets on static batches (SPEC §9): one inductor graph
+"""``torch.compile(model, fullgraph=True)`` of the native presets on static batches (docs/api.md §9): one inductor graph
 (forward and backward) for every layout of one ``(L, M)``, results equal to eager on the plain batches of the same
 documents, and no gradient across documents.
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import BoundaryError, InputError, UnsupportedModelError
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
 from hybrid_pack.parallel.exchange import halo_plan
 from hybrid_pack.schema import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
@@ -94,8 +94,83 @@ def test_rank_edges_are_read_from_the_row(world):
 def test_moving_a_shard_moves_its_local_tensors_and_leaves_the_row_on_the_host():
     row = PackedBoundaries.from_document_lengths([5, 7, 4])
     shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2).to("meta")
-    assert shard.cu_seqlens.device.type == "meta" and shard.row is row
-    assert (shard.rank, shard.offset, shard.first_position, shard.segment_lengths) == (1, 8, 3, (4, 4))
+    assert shard.local.cu_seqlens.device.type == "meta" and shard.device.type == "meta" and shard.row is row
+    assert (shard.rank, shard.offset, shard.first_position, shard.local.segment_lengths) == (1, 8, 3, (4, 4))
+
+
+def test_a_shard_is_no_packed_boundaries_and_its_fields_name_local():
+    """A rank's slice cannot pass for whole documents: it is not a PackedBoundaries, and reading one of their
+    fields from it raises naming ``local`` (the slice's segments, a document cut at the rank edge in two)."""
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2)
+    assert not isinstance(shard, PackedBoundaries) and isinstance(shard.local, PackedBoundaries)
+    assert shard.local.segment_lengths == (4, 4) and shard.local.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert shard.document_positions.tolist() == [[3, 4, 5, 6, 0, 1, 2, 3]]  # the first piece continues rank 0's
+    for name in ("seq_idx", "cu_seqlens", "position_ids", "total_tokens", "num_docs", "segment_lengths",
+                 "chunk_layout", "hf_kwargs"):
+        with pytest.raises(BoundaryError, match=rf"^boundaries: .*no '{name}'.*boundaries\.local\.{name};"):
+            getattr(shard, name)
+    assert not hasattr(shard, "no_such_attribute")  # any other name is a plain AttributeError
+
+
+def test_sharded_boundaries_built_by_hand_must_be_a_slice_of_their_row():
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    local = PackedBoundaries.from_lengths([4, 4])
+    assert ShardedBoundaries(local=local, row=row, group=None, rank=1, world_size=2, offset=8).first_position == 3
+    with pytest.raises(BoundaryError, match="^local: expected rank 1's 8 tokens"):
+        ShardedBoundaries(local=local, row=row, group=None, rank=1, world_size=2, offset=0)
+    with pytest.raises(BoundaryError, match="^local: expected a PackedBoundaries; got ShardedBoundaries"):
+        ShardedBoundaries(local=ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2), row=row,
+                          group=None, rank=1, world_size=2, offset=8)
+    with pytest.raises(InputError, match="^layout"):
+        ShardedBoundaries(local=local, row=row, group=None, rank=1, world_size=2, offset=8, layout="zigzag")
+
+
+def test_whole_document_code_refuses_a_shard():
+    """Helpers that read whole documents fail loudly on a slice instead of taking its pieces for documents."""
+    from hybrid_pack.boundaries.targets import shift_labels
+
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2)
+    labels = torch.arange(8)[None]
+    with pytest.raises(BoundaryError, match="^boundaries: .*boundaries.local"):
+        shift_labels(labels, shard)
+    with pytest.raises(InputError, match="^reduction: 'sequence' needs whole documents"):
+        packed_loss(torch.randn(1, 8, 5), labels, boundaries=shard, shifted=True, reduction="sequence")
+    with pytest.raises(InputError, match=r"^boundaries: expected 16 tokens .*; got 8"):
+        packed_loss(torch.randn(1, 16, 5), torch.arange(16)[None], boundaries=shard, shifted=True)
+
+
+def test_ops_check_a_shard_against_its_local_tokens():
+    from hybrid_pack.ops import causal_conv1d
+
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2)
+    weight = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(InputError, match=r"^x: expected T = 8 tokens \(boundaries\.local\.total_tokens\)"):
+        causal_conv1d(torch.randn(1, 16, 3, dtype=torch.float64), weight, None, shard)
+    with pytest.raises(InputError, match=r"^boundaries: on meta but x is on cpu"):
+        causal_conv1d(torch.randn(1, 8, 3, dtype=torch.float64), weight, None, shard.to("meta"))
+    whole = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=1)  # a group of one: the row itself
+    x = torch.randn(1, 16, 3, dtype=torch.float64)
+    assert torch.equal(causal_conv1d(x, weight, None, whole), causal_conv1d(x, weight, None, row))
+
+
+@pytest.mark.parametrize(("family", "attention", "refused"), [
+    ("jamba", "sdpa", "^boundaries: the Mamba-1 selective scan"),
+    ("lfm2", "eager", "^config._attn_implementation: 'eager' masks whole documents"),
+])
+def test_patched_layers_without_a_context_parallel_path_refuse_a_shard(family, attention, refused):
+    """A Hugging Face mixer that would run a rank's pieces as documents raises naming the fix (one process)."""
+    pytest.importorskip("transformers")
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+    model = patch_model(tiny_model(family))
+    model.set_attn_implementation(attention)
+    batch = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    with pytest.raises(UnsupportedModelError, match=refused):
+        model(**shard_batch(batch))
 
 
 def test_one_process_shard_is_the_row_and_its_loss_is_the_row_loss():

@@ -1,4 +1,4 @@
-"""Gated DeltaNet and the SSD on a row split across 2 and 4 gloo processes equal the unsharded op (SPEC §10).
+"""Gated DeltaNet and the SSD on a row split across 2 and 4 gloo processes equal the unsharded op (docs/api.md §10).
 
 One torchrun launch per group size runs every case (tests/workers/cp_recurrent.py): each layout of
 ``LAYOUTS`` (a document over four ranks, ranks holding only a document's middle, documents ending on
@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_pack.errors import InputError
+from hybrid_pack.backends import backends_of
+from hybrid_pack.errors import BackendUnavailableError, InputError
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule
-from hybrid_pack.ops.conv.kernel_fla_cp import fla_cp_serves as conv_fla_cp_serves
 from hybrid_pack.ops.fla_cp import FLA_CP
-from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves as gated_delta_fla_cp_serves
 from hybrid_pack.parallel import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import state_chain
 from tests.kit import Layout
@@ -77,20 +76,12 @@ def test_collective_self_check_passes_sound_fails_wrong_and_the_group_agrees(ran
 
 
 @pytest.mark.parametrize("op", ["gated_delta", "conv"])
-def test_fla_context_parallelism_is_refused_on_cpu_with_the_reason(op):
-    """Forced, it raises naming why; by default, or with another backend forced, the pure-torch path serves."""
-    sharded = ShardedBoundaries.from_row(LAYOUTS["spans_four_ranks"].boundaries(), group=None, rank=0, world_size=2)
-    x = torch.randn(1, sharded.total_tokens, 2, 4)
-    if op == "gated_delta":
-        def serves(backend):
-            return gated_delta_fla_cp_serves(backend, None, x, x, x, x[..., 0], x[..., 0], sharded,
-                                             initial_state=None, output_final_state=False, use_qk_l2norm=False)
-    else:
-        def serves(backend):
-            return conv_fla_cp_serves(backend, None, x[..., 0], torch.randn(2, 4), None, sharded, activation=None)
-    assert serves(None) is False and serves("torch") is False
-    with pytest.raises(RuntimeError, match=f"backend 'fla_cp' for {op} cannot run here: .*CUDA over NCCL only"):
-        serves(FLA_CP)
+def test_fla_context_parallelism_is_registered_and_refused_on_cpu_with_the_reason(op):
+    """fla's context parallelism is the op's sharded backend in the one registry: on CPU it cannot serve, with the
+    reason; the selector then leaves the sharded call to the pure-torch path."""
+    (backend,) = backends_of(op, sharded=True)
+    assert backend.name == FLA_CP and backend.reason(torch.device("cpu"), torch.float32, True) == \
+        "runs on cuda, not cpu"
 
 
 @pytest.mark.parametrize("op", ["gated_delta", "conv"])
@@ -107,7 +98,7 @@ def test_sharded_op_forced_to_fla_cp_on_cpu_raises_the_reason_and_otherwise_runs
 
         def run(boundaries, backend=None):
             return causal_conv1d(x[..., 0], weight, None, boundaries, activation="silu", backend=backend)
-    with pytest.raises(RuntimeError, match=f"backend 'fla_cp' for {op} cannot run here: .*CUDA over NCCL only"):
+    with pytest.raises(BackendUnavailableError, match=f"{op} backend 'fla_cp' .* cannot run here: runs on cuda"):
         run(sharded, FLA_CP)
     torch.testing.assert_close(run(sharded), run(row), rtol=0, atol=1e-12)
 
@@ -129,6 +120,6 @@ def test_state_chain_names_the_ranks_each_incoming_state_folds(layout, world_siz
 def test_sharded_boundaries_without_a_process_group_raise_input_error():
     row = LAYOUTS["spans_four_ranks"].boundaries()
     sharded = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2)
-    q = torch.randn(1, sharded.total_tokens, 1, 4)
+    q = torch.randn(1, sharded.local.total_tokens, 1, 4)
     with pytest.raises(InputError, match="boundaries: .*torch.distributed"):
         gated_delta_rule(q, q, q, q[..., 0] * 0, q[..., 0] * 0 + 1, sharded)

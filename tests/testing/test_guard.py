@@ -12,6 +12,7 @@ from torch import nn
 import hybrid_pack.testing
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
+from hybrid_pack.isolation import TOLERANCE
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.schema import BOUNDARIES, INPUT_IDS, LABELS, NUM_PAD_TOKENS, POSITION_IDS
 from hybrid_pack.testing import GuardRecord, IsolationWarning, PackingGuard
@@ -50,7 +51,7 @@ def test_checks_the_first_packed_call_and_every_nth_after_it(model):
     assert record.documents[:2] == [1, 4]                     # the shortest, then the longest
     assert len(record.documents) == 3 and len(set(record.documents)) == 3
     assert record.lengths == [LENGTHS[i] for i in record.documents]
-    assert record.seconds > 0 and record.compared == "logits" and record.atol == 2e-4
+    assert record.seconds > 0 and record.compared == "logits" and record.atol == TOLERANCE[torch.float32]
     assert record.step == 0                                   # no trainer step set: the call index
 
 
@@ -236,7 +237,7 @@ def test_direct_check_with_and_without_logits(model):
 def test_bf16_autocast_uses_the_bf16_tolerance(model):
     with PackingGuard(model, every=1) as guard, torch.autocast("cpu", dtype=torch.bfloat16):
         _train_calls(model, _batch(), 1)
-    assert guard.records[0].atol == 5e-2 and guard.records[0].ok
+    assert guard.records[0].atol == TOLERANCE[torch.bfloat16] and guard.records[0].ok
 
 
 def test_atol_overrides_the_dtype_tolerance(model):

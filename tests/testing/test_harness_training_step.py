@@ -15,7 +15,7 @@ from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import InputError
 from hybrid_pack.loss import packed_loss, token_logprobs
 from hybrid_pack.schema import INPUT_IDS, LABELS
-from hybrid_pack.testing import DEFAULT_ATOL, check_isolation, check_training_step
+from hybrid_pack.testing import TOLERANCE, check_isolation, check_training_step
 from tests.testing.leaky_zoo import LEAKY, ToyLM, clean_mixers
 
 DIM = 16
@@ -161,5 +161,5 @@ def test_a_step_under_autocast_is_judged_at_its_precision() -> None:
 
     plain = check_training_step(lambda batch: model(**batch).logits, _batch(), model=model)
     lowered = check_training_step(bf16_step, _batch(), model=model)
-    assert plain.atol == DEFAULT_ATOL[torch.float32]
-    assert lowered.atol == DEFAULT_ATOL[torch.bfloat16] and lowered.ok, str(lowered)
+    assert plain.atol == TOLERANCE[torch.float32]
+    assert lowered.atol == TOLERANCE[torch.bfloat16] and lowered.ok, str(lowered)

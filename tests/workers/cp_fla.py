@@ -17,12 +17,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule
 from hybrid_pack.ops.fla_cp import FLA_CP
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import conv_signature, gated_delta_signature
 from tests.workers.cp_recurrent import LAYOUTS, compare
+from tests.workers.launch import exit_without_finalizing
 
 CASES = {
     "gated_delta": (gated_delta_signature(heads=2, v_heads=4, k_dim=64, v_dim=64, use_qk_l2norm=True,

@@ -16,10 +16,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import gated_delta_rule
-from hybrid_pack.ops.dispatch.cp_check import adversarial_cp_row, cp_verdict, rank_arguments
+from hybrid_pack.ops.dispatch.backend import Backend
+from hybrid_pack.ops.dispatch.cp_check import cp_check, rank_arguments
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import (
     Layout,
@@ -32,6 +33,7 @@ from tests.kit import (
     run,
     ssd_signature,
 )
+from tests.workers.launch import exit_without_finalizing
 
 LAYOUTS = named(
     Layout("spans_four_ranks", (5, 86, 1, 4)),
@@ -62,8 +64,8 @@ def _worst(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def _ending_here(sharded: ShardedBoundaries) -> list[int]:
     """Local documents whose last token is on this rank."""
-    return [i for i in range(sharded.num_docs)
-            if i < sharded.num_segments - 1 or not sharded.continues_into_next]
+    return [i for i in range(sharded.local.num_docs)
+            if i < sharded.local.num_segments - 1 or not sharded.continues_into_next]
 
 
 def op_of(case_name: str) -> str:
@@ -82,7 +84,7 @@ def compare(name: str, signature, row, sharded: ShardedBoundaries, sharded_fn=No
     weights = {name: w.to(full[name].device) for name, w in projection(full, seed=1).items()}
     full_grads = gradients(sum((out * weights[name]).sum() for name, out in full.items()), case.arguments)
 
-    lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
+    lo, hi = sharded.offset, sharded.offset + sharded.local.total_tokens
     first, ending = sharded.first_segment, _ending_here(sharded)
     local_args = rank_arguments(case, sharded)
     local = run(kind, sharded_fn, case, sharded, local_args)
@@ -98,9 +100,9 @@ def compare(name: str, signature, row, sharded: ShardedBoundaries, sharded_fn=No
         if name[1:] in case.token_inputs:
             errors[name] = _worst(grad, expected[:, lo:hi])
         elif name[1:] in case.document_inputs:
-            owned = [i for i in range(sharded.num_docs) if i or not sharded.continues_from_previous]
+            owned = [i for i in range(sharded.local.num_docs) if i or not sharded.continues_from_previous]
             errors[name] = max([_worst(grad[i], expected[first + i]) for i in owned], default=0.0)
-            if sharded.continues_from_previous and sharded.num_docs:
+            if sharded.continues_from_previous and sharded.local.num_docs:
                 errors[f"{name} of the continuing document (zero)"] = grad[0].abs().max().item()
         else:  # shared parameters: the group's sum is the row's gradient
             dist.all_reduce(grad)
@@ -115,7 +117,7 @@ def leaked(name: str, signature, row, sharded: ShardedBoundaries, document: int)
     case = op_inputs(kind, signature, row, seed=2)
     local_args = rank_arguments(case, sharded)
     out = run(kind, public_op(kind), case, sharded, local_args)["output"]
-    lo, hi = sharded.offset, sharded.offset + sharded.total_tokens
+    lo, hi = sharded.offset, sharded.offset + sharded.local.total_tokens
     mine = (row.seq_idx[0, lo:hi] == document).to(out.dtype).view(1, -1, *[1] * (out.dim() - 2))
     grads = gradients((out * mine).sum(), local_args)
     other = own = 0.0
@@ -125,7 +127,7 @@ def leaked(name: str, signature, row, sharded: ShardedBoundaries, document: int)
             other = max(other, grad.masked_fill(keep, 0).abs().max().item())
             own = max(own, grad.masked_fill(~keep, 0).abs().max().item())
         elif name[1:] in case.document_inputs:
-            for i in range(sharded.num_docs):
+            for i in range(sharded.local.num_docs):
                 if sharded.first_segment + i != document:
                     other = max(other, grad[i].abs().max().item())
     return {"other_documents": other, "own_document": own}
@@ -134,7 +136,7 @@ def leaked(name: str, signature, row, sharded: ShardedBoundaries, document: int)
 def bad_input(row, rank: int, world_size: int) -> dict[str, str]:
     """Boundaries made for a group of another size: the message of the ``InputError``."""
     wrong = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=2 * world_size)
-    t = wrong.total_tokens
+    t = wrong.local.total_tokens
     q = torch.randn(1, t, 1, 4)
     try:
         gated_delta_rule(q, q, torch.randn(1, t, 1, 4), torch.zeros(1, t, 1), torch.ones(1, t, 1), wrong)
@@ -144,13 +146,11 @@ def bad_input(row, rank: int, world_size: int) -> dict[str, str]:
 
 
 def collective_check(rank: int, world_size: int) -> dict[str, str]:
-    """The context-parallel backends' collective self-check (:func:`cp_verdict`) on a sound candidate (the
+    """The sharded backends' collective self-check (:func:`cp_check`) on a sound candidate (the
     pure-torch path itself), one wrong on rank 0 only, and one that raises (on every rank, before any
     exchange, as a kernel that cannot compile does): each rank's verdict."""
     signature = gated_delta_signature(heads=1, v_heads=2, k_dim=4, v_dim=3, output_final_state=False)
     reference = public_op("gated_delta")
-    boundaries = ShardedBoundaries.from_row(adversarial_cp_row(world_size), group=None, rank=rank,
-                                            world_size=world_size)
 
     def wrong_on_rank_0(*args, **kwargs):
         o, state = reference(*args, **kwargs)
@@ -160,8 +160,9 @@ def collective_check(rank: int, world_size: int) -> dict[str, str]:
         raise RuntimeError("kernel failed to compile")
 
     candidates = {"sound": reference, "wrong_on_rank_0": wrong_on_rank_0, "raises": raises}
-    return {name: cp_verdict("gated_delta", f"test_{name}", fn, reference, signature, boundaries,
-                             torch.device("cpu"), True) for name, fn in candidates.items()}
+    return {name: cp_check(Backend("gated_delta", f"test_{name}", fn, priority=0, sharded=True), signature,
+                           torch.device("cpu"), True, None, rank, world_size).reason
+            for name, fn in candidates.items()}
 
 
 def main(out: str) -> None:

@@ -6,9 +6,10 @@ Each rank keeps its self-check results in its own directory (ranks on different 
 runs one training step of ``qwen3-next-tiny`` sharded with FSDP2. Writes which backend each op ran and the
 report to ``OUT.rank<r>.json``.
 
-With ``cp``: planted attention and Gated DeltaNet kernels (the pure-torch ones, so they pass their self-check)
-run context-parallel on a row whose second document fills rank 1, so the ranks make different local calls
-(rank 1 continues the document: its attention has nothing local to run, its delta rule widens the values).
+With ``cp``: a planted Gated DeltaNet kernel 1% off on rank 1, a planted sharded conv (the pure-torch
+context-parallel conv) 1% off on rank 1 and a planted sharded attention (exact on both) run on a row whose second
+document fills rank 1, so the ranks make different local calls (rank 1 continues the document: its delta rule
+widens the values). One step before ``backends.verify()`` and one after; writes what ran after it.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_backends.py OUT [cp]
 """
@@ -16,6 +17,7 @@ run context-parallel on a row whose second document fills rank 1, so the ranks m
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -24,15 +26,17 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries, backends
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.modeling import from_preset
-from hybrid_pack.ops import gated_delta_rule, varlen_attention
+from hybrid_pack.ops import causal_conv1d, gated_delta_rule, varlen_attention
 from hybrid_pack.ops.dispatch.registry import reference_of
 from hybrid_pack.parallel import ShardedBoundaries
 from hybrid_pack.parallel.fsdp import apply_fsdp
 from tests import kit
+from tests.workers.launch import exit_without_finalizing
 
 PLANTED = "planted"
+SHARDED = "planted_sharded"
 
 
 def main(out: str, mode: str) -> None:
@@ -46,18 +50,36 @@ def main(out: str, mode: str) -> None:
 
 
 def sharded_ops(rank: int) -> dict:
-    """Forward and backward of attention and the delta rule on this rank's half of one row; what each ran."""
-    for op in ("attention", "gated_delta"):
-        backends.register(op, PLANTED, reference_of(op).fn, priority=100, devices=("cpu",), dtypes=(torch.float32,))
+    """Attention, the conv and the delta rule on this rank's half of one row, before and after the warm-up; what
+    each ran after it."""
+    delta = reference_of("gated_delta").fn
+    backends.register("gated_delta", PLANTED, kit.with_defect(delta, "one_percent_off") if rank == 1 else delta,
+                      priority=100, devices=("cpu",), dtypes=(torch.float32,))
+    conv_cp = functools.partial(causal_conv1d, backend="torch")  # the pure-torch context-parallel conv
+    backends.register("conv", SHARDED, kit.with_defect(conv_cp, "one_percent_off") if rank == 1 else conv_cp,
+                      priority=100, devices=("cpu",), dtypes=(torch.float32,), sharded=True)
+    backends.register("attention", SHARDED, functools.partial(varlen_attention, backend="torch"), priority=100,
+                      devices=("cpu",), dtypes=(torch.float32,), sharded=True)
     shard = ShardedBoundaries.from_row(PackedBoundaries.from_document_lengths([5, 27]), group=None, rank=rank,
                                        world_size=2)
     generator = torch.Generator().manual_seed(0)
     row = [torch.randn(1, 32, 2, 8, generator=generator) for _ in range(3)]
     row += [-torch.rand(1, 32, 2, generator=generator), torch.rand(1, 32, 2, generator=generator)]
-    q, k, v, g, beta = (t[:, shard.offset:shard.offset + 16].clone().requires_grad_() for t in row)
-    out, _ = gated_delta_rule(q, k, v, g, beta, shard, use_qk_l2norm=True)
-    (out.sum() + varlen_attention(q, k, v, shard).sum()).backward()
-    return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()}
+    weight = torch.randn(16, 4, generator=generator)
+
+    def step() -> None:
+        q, k, v, g, beta = (t[:, shard.offset:shard.offset + 16].clone().requires_grad_() for t in row)
+        out, _ = gated_delta_rule(q, k, v, g, beta, shard, use_qk_l2norm=True)
+        conv = causal_conv1d(q.flatten(2), weight, None, shard, activation="silu")
+        (out.sum() + conv.sum() + varlen_attention(q, k, v, shard).sum()).backward()
+
+    step()  # before the warm-up: every kernel waits for a settled verdict, the pure-torch paths run
+    backends.verify(device="cpu")
+    decided = len(backends.decisions())
+    step()
+    return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()[decided:]} | {
+        "before": sorted({(d.op, d.backend) for d in backends.decisions()[:decided]}),
+        "all": sorted({(d.op, d.backend) for d in backends.decisions()})}
 
 
 def fsdp_step(rank: int) -> dict:
@@ -70,8 +92,9 @@ def fsdp_step(rank: int) -> dict:
     torch.manual_seed(0)
     model = apply_fsdp(from_preset("qwen3-next-tiny"), torch.distributed.device_mesh.init_device_mesh("cpu", (2,)))
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(rank))
-    boundaries = PackedBoundaries.from_lengths([7, 20 + rank, 13 - rank])
-    model(input_ids=ids, labels=ids, boundaries=boundaries).loss.backward()
+    batch = {"input_ids": ids, "labels": ids, "boundaries": PackedBoundaries.from_lengths([7, 20 + rank, 13 - rank])}
+    backends.verify(model=model, batch=batch)
+    model(**batch).loss.backward()
     return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()}
 
 

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries, PackingCollator
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
-from hybrid_pack.testing import PackingGuard
-from hybrid_pack.testing.layouts import Layout
+from hybrid_pack.testing import Layout, PackingGuard
 from tests.kit import assert_close, attention_signature, conv_signature, op_inputs, projection, public_op, run
+from tests.workers.launch import exit_without_finalizing
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 PER_RANK = 6
@@ -79,7 +79,7 @@ def check_op(op: str, layout: Layout, rank: int, world: int) -> None:
     expected_grads = torch.autograd.grad((expected * weight).sum(), list(leaves.values()))
 
     shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world)
-    window = slice(shard.offset, shard.offset + shard.total_tokens)
+    window = slice(shard.offset, shard.offset + shard.local.total_tokens)
     local = {name: (value[:, window] if name in case.token_inputs else value).detach().requires_grad_()
              if name in leaves else value for name, value in case.arguments.items()}
     output = run(op, fn, case, shard, local)["output"]
@@ -127,7 +127,7 @@ def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torc
 
     shard = shard_batch(batch)
     cut = PackedBoundaries.from_lengths([n for r in range(world) for n in ShardedBoundaries.from_row(
-        shard["boundaries"].row, group=None, rank=r, world_size=world).segment_lengths])
+        shard["boundaries"].row, group=None, rank=r, world_size=world).local.segment_lengths])
     with torch.no_grad():  # the row cut at the rank edges: what a shard would get without context parallelism
         alone = model(input_ids=batch["input_ids"], boundaries=cut).logits
     sensitivity = (alone - out.logits).abs().max().item()
@@ -136,7 +136,7 @@ def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torc
     local.loss.backward()
     loss, grads = summed(local.loss), [summed(p.grad) for p in sharded_model.parameters()]  # collectives first
     bounds = shard["boundaries"]
-    window = slice(bounds.offset, bounds.offset + bounds.total_tokens)
+    window = slice(bounds.offset, bounds.offset + bounds.local.total_tokens)
     tol = TOL[loss_dtype or dtype]
     assert_close(local.logits.detach(), out.logits[:, window].detach(), "logits", tol=TOL[dtype])
     assert_close(loss, out.loss.detach(), "summed loss", tol=tol)
@@ -192,8 +192,8 @@ def check_errors(rank: int, world: int) -> None:
     expect_input_error("boundaries", lambda: conv(x, torch.randn(4, 3), None, wrong))
     halves = [dist.new_group(list(range(world))[half::2]) for half in (0, 1)]  # every rank makes both
     foreign = ShardedBoundaries.from_row(shard.row, group=halves[1 - rank % 2], rank=0, world_size=world // 2)
-    expect_input_error("boundaries", lambda: conv(torch.randn(1, foreign.total_tokens, 4), torch.randn(4, 3), None,
-                                                  foreign))
+    expect_input_error("boundaries", lambda: conv(torch.randn(1, foreign.local.total_tokens, 4), torch.randn(4, 3),
+                                                  None, foreign))
     model = attention_model()
     with PackingGuard(model, every=1):
         expect_input_error("boundaries", lambda: model(**shard_batch(batch)))

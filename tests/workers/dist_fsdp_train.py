@@ -17,8 +17,9 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.training import TrainConfig, sharded, train
+from tests.workers.launch import exit_without_finalizing
 
 SETTINGS = {"max_examples": 32, "capacity": 512, "max_steps": 4, "guard_every": 1, "checkpoint_every": 2,
             "progress": False, "fsdp": True, "warmup_steps": 1, "lr": 1e-4,

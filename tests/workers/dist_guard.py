@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import IsolationError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel.fsdp import apply_fsdp
 from hybrid_pack.testing import IsolationWarning, PackingGuard, check_training_step
+from tests.workers.launch import exit_without_finalizing
 
 TOKENS = 48
 STEPS = 3

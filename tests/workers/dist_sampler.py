@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.packing import PackedBatchSampler
+from tests.workers.launch import exit_without_finalizing
 
 NUM_EXAMPLES = 400
 CAPACITY = 256

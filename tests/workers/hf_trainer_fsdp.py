@@ -15,10 +15,11 @@ import sys
 
 from transformers import TrainingArguments
 
-from hybrid_pack.distributed import end_process_group, exit_without_finalizing
+from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 from hybrid_pack.modeling import from_preset
+from tests.workers.launch import exit_without_finalizing
 
 
 def main(out: str) -> None:

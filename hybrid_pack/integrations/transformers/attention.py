@@ -20,6 +20,7 @@ import torch
 from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.entry import explicit_keys_in, stray_keys_error
 from hybrid_pack.ops import varlen_attention
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import BOUNDARIES
 
 __all__ = ["mark_attention", "wrap_attention", "wrap_every_attention", "wrap_eager_attention", "document_causal_mask"]
@@ -37,6 +38,10 @@ def mark_attention(module: torch.nn.Module) -> None:
 
 def document_causal_mask(boundaries: Any, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask ``[1, 1, T, T]``: 0 where a token may attend (same document, not later), dtype's min elsewhere."""
+    if isinstance(boundaries, ShardedBoundaries):
+        raise UnsupportedModelError("config._attn_implementation: 'eager' masks whole documents, and a context-"
+                                    "parallel shard holds pieces of them; call model.set_attn_implementation('sdpa') "
+                                    "(every other implementation runs hybrid_pack's context-parallel attention)")
     seq_idx = boundaries.seq_idx[0]
     allowed = (seq_idx[:, None] == seq_idx[None, :]).tril()
     return torch.zeros(allowed.shape, dtype=dtype, device=seq_idx.device).masked_fill(

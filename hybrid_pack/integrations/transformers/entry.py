@@ -29,6 +29,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.integrations.transformers.mask import mark_packed_call, unmark_packed_call
+from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
@@ -129,8 +130,9 @@ def packed_call_boundaries(arguments: dict[str, Any], *, by_positions: bool = Tr
         raise InputError(f"{USE_CACHE}: must be False (or unset) with a packed batch; a cache would mix documents")
     if given is None:
         return _build(arguments)
-    if not isinstance(given, (PackedBoundaries, StaticBoundaries)):
-        raise BoundaryError(f"{BOUNDARIES}: expected a hybrid_pack.PackedBoundaries; got {type(given).__name__}")
+    if not isinstance(given, (PackedBoundaries, StaticBoundaries, ShardedBoundaries)):
+        raise BoundaryError(f"{BOUNDARIES}: expected a hybrid_pack.PackedBoundaries (or a context-parallel shard's "
+                            f"ShardedBoundaries from shard_batch); got {type(given).__name__}")
     return given
 
 

@@ -1,5 +1,5 @@
 """Boundary-safe forward for Jamba's Mamba-1 mixer: conv through :func:`hybrid_pack.ops.causal_conv1d`,
-scan through :func:`~hybrid_pack.integrations.transformers.selective_scan.selective_scan`."""
+scan through :func:`hybrid_pack.ops.selective_scan.selective_scan`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.integrations.transformers.conv import packed_conv
-from hybrid_pack.integrations.transformers.selective_scan import selective_scan
+from hybrid_pack.ops.selective_scan import selective_scan
 
 __all__ = ["jamba_mamba_forward"]
 

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from hybrid_pack import backends
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
+from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q
@@ -35,7 +37,7 @@ try:
 except ImportError as err:
     raise MissingExtraError("PackedTrainer", "hf", err) from err
 
-__all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch"]
+__all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch", "SettlesBackendsAfterFirstStep"]
 
 
 class SetSamplerEpoch(TrainerCallback):
@@ -61,6 +63,7 @@ class PackedBatches:
     _tokens_since_log = 0       # this rank's real training tokens since the last training log
     _real_tokens_seen = 0       # every rank's, up to the last training log
     _log_clock: float | None = None
+    _backends_verified = False
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
@@ -74,6 +77,17 @@ class PackedBatches:
         if boundaries is not None:
             inputs[BOUNDARIES] = boundaries.to(self.args.device)  # type: ignore[attr-defined]
         return inputs
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """The trainer's loss; before the first training step's, under ``torch.distributed`` or ``torch_compile``,
+        the backends' warm-up on that batch (:func:`hybrid_pack.backends.verify`: every rank settles one backend per
+        op and call key before any runs, and a compiled graph finds its kernels checked). A single eager process
+        checks each kernel at its first call instead."""
+        if model.training and not self._backends_verified:
+            self._backends_verified = True
+            if distributed() or self.args.torch_compile:  # type: ignore[attr-defined]
+                backends.verify(model=model, batch=inputs)
+        return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add real tokens/s to a training log (one all-reduce, on every rank, as the loss already takes)."""
@@ -105,6 +119,23 @@ class PackedBatches:
                             collate_fn=self.packing_collator,
                             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
         return self.accelerator.prepare(loader)  # type: ignore[attr-defined]
+
+
+class SettlesBackendsAfterFirstStep:
+    """For trainers whose packed calls one batch cannot replay (TRL's GRPO and DPO score several forwards per step):
+    under ``torch.distributed`` the first training step runs on the pure-torch backends (no verdict is settled
+    yet), then every rank settles one backend per op and call key (:func:`hybrid_pack.backends.verify`) for the
+    rest. A single process checks each kernel at its first call instead. Mixed in before the trainer class."""
+
+    _backends_settled = False
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        if not self._backends_settled:
+            self._backends_settled = True
+            if distributed():
+                backends.verify()
+        return loss
 
 
 class PackedTrainer(PackedBatches, Trainer):

@@ -20,4 +20,5 @@ register(OP, "torch_varlen", "hybrid_pack.ops.attention.kernel_torch_varlen:varl
 register(OP, "flex", "hybrid_pack.ops.attention.kernel_flex:varlen_attention", priority=10, dtypes=KERNEL_DTYPES,
          boundary_arg="seq_idx block mask")
 register(OP, "torch", "hybrid_pack.ops.attention.torch_backend:varlen_attention", priority=0,
-         devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, reference=True, boundary_arg="per-document blocks")
+         devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, reference=True, boundary_arg="per-document blocks",
+         static="hybrid_pack.ops.attention.torch_static:varlen_attention")

@@ -47,8 +47,8 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
     local = functools.partial(op, causal=True, softmax_scale=softmax_scale, backend=backend)
     keys_values, halo = with_preceding_tokens(torch.stack([k[0], v[0]], dim=1), boundaries)
     if not halo:
-        return local(q, keys_values[None, :, 0], keys_values[None, :, 1], boundaries.local())
-    first = boundaries.segment_lengths[0]
+        return local(q, keys_values[None, :, 0], keys_values[None, :, 1], boundaries.local)
+    first = boundaries.local.segment_lengths[0]
     head_kv = keys_values[: halo + first].movedim(0, 2).unsqueeze(1)  # [2, 1, Hkv, halo + first, D]
     head = F.scaled_dot_product_attention(
         q[:, :first].transpose(1, 2), head_kv[0], head_kv[1], attn_mask=causal_lower_right(first, halo + first),

@@ -9,11 +9,9 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.cp import varlen_attention_cp
-from hybrid_pack.ops.dispatch.agreement import rank_local
-from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -43,19 +41,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[2] % k.shape[2]:
         raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if isinstance(boundaries, StaticBoundaries):
-        return STATIC_OP(q, k, v, cu_seqlens=boundaries.cu_seqlens, backend=backend, requires_grad=needs_grad(q, k, v),
-                         causal=causal, softmax_scale=scale)[0]
-    if isinstance(boundaries, ShardedBoundaries):
-        # Ranks of one row make different local calls (a continuing document, widened values): each rank
-        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
-        # different keys across ranks and hang.
-        with rank_local():
-            return varlen_attention_cp(varlen_attention, q, k, v, boundaries, causal=causal, softmax_scale=scale,
-                                       backend=backend)
-    impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype, requires_grad=needs_grad(q, k, v),
-                   inputs={"q": q, "k": k, "v": v, "causal": causal}, signature=signature_of(q, k, v, causal))
-    return impl.fn(q, k, v, boundaries, causal=causal, softmax_scale=scale)
+    return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale}, boundaries, backend=backend,
+                 requires_grad=needs_grad(q, k, v))
 
 
-STATIC_OP = PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention)
+ROUTE = OpRoute(
+    OP, varlen_attention, positional=("q", "k", "v"),
+    signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["causal"]), sharded=varlen_attention_cp,
+    opaque=PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention),
+    from_opaque=lambda outputs, _: outputs[0])

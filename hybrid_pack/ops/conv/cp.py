@@ -10,12 +10,10 @@ halo's gradient goes back to the ranks that sent it. Bytes received per rank: at
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
-from hybrid_pack.ops.conv.kernel_fla_cp import causal_conv1d_fla_cp, fla_cp_serves
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.exchange import with_preceding_tokens
 
@@ -27,9 +25,9 @@ def causal_conv1d_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: t
                      backend: str | None) -> torch.Tensor:
     """This rank's slice of :func:`hybrid_pack.ops.causal_conv1d` over the whole row.
 
-    flash-linear-attention's own context-parallel conv (:mod:`.kernel_fla_cp`) serves when ``backend`` is
-    None or ``"fla_cp"`` and it can take the call and passed its collective self-check; otherwise the
-    pure-torch halo exchange below runs around the single-device op with ``backend``.
+    The pure-torch path: it runs around the single-device op with ``backend`` when no sharded backend
+    (flash-linear-attention's own context parallelism, :mod:`.kernel_fla_cp`) serves the call
+    (:mod:`hybrid_pack.ops.dispatch.route`).
 
     Args:
         op: the public single-device op (called with plain boundaries and ``backend``).
@@ -41,9 +39,6 @@ def causal_conv1d_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: t
         ``[1, T_local, D]``.
     """
     boundaries.check_group()
-    if fla_cp_serves(backend, functools.partial(op, backend="torch"), x, weight, bias, boundaries,
-                     activation=activation):
-        return causal_conv1d_fla_cp(x, weight, bias, boundaries, activation=activation)
     extended, halo = with_preceding_tokens(x[0], boundaries, limit=weight.shape[1] - 1)
     out = op(extended.unsqueeze(0), weight, bias, boundaries.extended(halo), activation=activation, backend=backend)
     return out[:, halo:]

@@ -9,11 +9,9 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
-from hybrid_pack.ops.dispatch.agreement import rank_local
-from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -41,19 +39,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in ACTIVATIONS:
         raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
     activation = "silu" if activation == "swish" else activation
-    if isinstance(boundaries, StaticBoundaries):
-        return STATIC_OP(x, weight, bias, cu_seqlens=boundaries.cu_seqlens, backend=backend,
-                         requires_grad=needs_grad(x, weight, bias), activation=activation)[0]
-    if isinstance(boundaries, ShardedBoundaries):
-        # Ranks of one row make different local calls (a continuing document, widened values): each rank
-        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
-        # different keys across ranks and hang.
-        with rank_local():
-            return causal_conv1d_cp(causal_conv1d, x, weight, bias, boundaries, activation=activation, backend=backend)
-    impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=needs_grad(x, weight, bias),
-                   inputs={"x": x, "weight": weight, "bias": bias, "activation": activation},
-                   signature=signature_of(x, weight, bias, activation))
-    return impl.fn(x, weight, bias, boundaries, activation=activation)
+    return ROUTE({"x": x, "weight": weight, "bias": bias, "activation": activation}, boundaries, backend=backend,
+                 requires_grad=needs_grad(x, weight, bias))
 
 
-STATIC_OP = PackedCustomOp("causal_conv1d", ("x", "weight", "bias?"), "str? activation", causal_conv1d)
+ROUTE = OpRoute(
+    OP, causal_conv1d, positional=("x", "weight", "bias"),
+    signature=lambda a: signature_of(a["x"], a["weight"], a["bias"], a["activation"]), sharded=causal_conv1d_cp,
+    opaque=PackedCustomOp("causal_conv1d", ("x", "weight", "bias?"), "str? activation", causal_conv1d),
+    from_opaque=lambda outputs, _: outputs[0])

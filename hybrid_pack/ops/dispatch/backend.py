@@ -36,6 +36,14 @@ def _stable_repr(value: Any) -> str:
     return type(value).__qualname__
 
 
+def _imported(impl: Callable[..., Any] | str) -> Callable[..., Any]:
+    """``impl`` itself, or the function a ``"module:function"`` string names."""
+    if callable(impl):
+        return impl
+    module, name = impl.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True, eq=False)
 class Backend:
     """One implementation of one op that keeps documents apart.
@@ -59,6 +67,12 @@ class Backend:
         accepts: per-call input check (widths, head dims...): "" when the kernel takes these inputs with
             boundaries, else the reason. Gets the op's inputs by name.
         limits: what ``accepts`` refuses, in words (for the docs' backend matrix).
+        sharded: it serves a row split across a context-parallel group itself (its own exchanges between the
+            ranks; called with a :class:`~hybrid_pack.parallel.ShardedBoundaries`); its self-check is collective
+            over the group. Other backends serve whole rows (plain or static).
+        static: the same computation on :class:`~hybrid_pack.boundaries.StaticBoundaries` with static shapes and
+            no host read (the function, or ``"module:function"``): what a compiled graph traces inline. A backend
+            without one is called inside a compiled graph through its opaque op (:mod:`hybrid_pack.ops.library`).
     """
 
     op: str
@@ -75,14 +89,17 @@ class Backend:
     device_probe: Callable[[torch.device, torch.dtype], str] | None = None
     accepts: Callable[[Mapping[str, Any]], str] | None = None
     limits: str = ""
+    sharded: bool = False
+    static: Callable[..., Any] | str | None = None
     _reasons: dict[tuple[str, torch.dtype, bool], str] = field(default_factory=dict, repr=False)
 
     @cached_property
     def fn(self) -> Callable[..., Any]:
-        if callable(self.impl):
-            return self.impl
-        module, name = self.impl.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.impl)
+
+    @cached_property
+    def static_fn(self) -> Callable[..., Any] | None:
+        return _imported(self.static) if self.static is not None else None
 
     @cached_property
     def fingerprint(self) -> str:

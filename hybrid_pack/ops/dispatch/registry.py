@@ -62,7 +62,7 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
         backward: whether it has a backward pass (without one it serves calls that need no gradient).
         replace: replace a backend of the same name instead of raising.
         **details: the other :class:`Backend` fields (``requires``, ``accepts``, ``probe``, ``device_probe``,
-            ``boundary_arg``, ``reference``).
+            ``boundary_arg``, ``reference``, ``sharded``, ``static``).
 
     Returns:
         The registered :class:`Backend`.
@@ -75,12 +75,16 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
         backend = Backend(op=op, name=name, impl=fn, priority=int(priority), devices=tuple(devices),
                           dtypes=tuple(dtypes), backward=backward, **details)
     _check_op(backend.op)
+    if backend.reference and backend.sharded:
+        raise InputError(f"sharded: the reference backend of {backend.op!r} serves whole rows; a sharded row's "
+                         "reference is the op's own context-parallel path")
     existing = [b for b in _BACKENDS[backend.op] if b.name == backend.name]
     if existing and not replace:
         raise InputError(f"name: backend {backend.name!r} is already registered for op {backend.op!r} "
                          "(pass replace=True to replace it)")
     if existing:
         unregister(backend.op, backend.name)
+    backend.static_fn  # noqa: B018  (resolved now: a compiled graph reads it while tracing)
     _BACKENDS[backend.op].append(backend)
     _BACKENDS[backend.op].sort(key=lambda b: -b.priority)
     _forget(backend.op, backend.name)
@@ -96,22 +100,23 @@ def unregister(op: str, name: str) -> Backend:
 
 
 def _forget(op: str, name: str) -> None:
-    """Drop a backend's check results, its own and those agreed across ranks."""
+    """Drop a backend's check results, its own and those settled for the group."""
     verdicts.forget(op, name)
     agreement.forget(op, name)
 
 
-def backends_of(op: str) -> list[Backend]:
-    """The backends of ``op``, highest priority first."""
+def backends_of(op: str, *, sharded: bool | None = False) -> list[Backend]:
+    """The backends of ``op``, highest priority first: those serving whole rows (default), those serving
+    sharded rows (``sharded=True``), or all (``sharded=None``)."""
     _check_op(op)
-    return list(_BACKENDS[op])
+    return [b for b in _BACKENDS[op] if sharded is None or b.sharded == sharded]
 
 
 def get_backend(op: str, name: str) -> Backend:
-    for b in backends_of(op):
+    for b in backends_of(op, sharded=None):
         if b.name == name:
             return b
-    names = [b.name for b in backends_of(op)]
+    names = [b.name for b in backends_of(op, sharded=None)]
     raise InputError(f"backend: {name!r} is not a backend of op {op!r}; choose one of {names}")
 
 

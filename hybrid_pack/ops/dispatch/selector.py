@@ -2,9 +2,11 @@
 
 A kernel backend serves a call only after it has passed the self-check for that call's key (op,
 device, dtype, whether gradients are needed, the call's signature): results are kept for the
-process and on disk (:mod:`.verdicts`). An automatic choice skips a backend that cannot run,
-cannot take the inputs, or failed its check, and logs why once; a backend forced by argument,
-:func:`use_backends` or ``HYBRID_PACK_BACKENDS`` raises :class:`BackendUnavailableError` instead.
+process and on disk (:mod:`.verdicts`), and under ``torch.distributed`` settled for the whole group by
+:func:`hybrid_pack.backends.verify` (:mod:`.agreement`). Choosing is a local lookup: it never communicates.
+An automatic choice skips a backend that cannot run, cannot take the inputs, or failed its check, and logs
+why once; a backend forced by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS`` raises
+:class:`BackendUnavailableError` instead.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import BackendUnavailableError, InputError
 from hybrid_pack.ops.dispatch import agreement, verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
@@ -30,8 +34,9 @@ from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_back
 from hybrid_pack.ops.dispatch.selfcheck import run_check
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
-__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "select", "use_backends", "verification_enabled",
-           "verdict_for", "check_now", "decisions"]
+__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "resolve_sharded", "static_choice", "describe", "select",
+           "use_backends", "verification_enabled", "verdict_for", "verdict_key", "local_verdict", "check_now",
+           "decisions", "discovering", "is_discovering"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -39,6 +44,7 @@ VERIFY_ENV = "HYBRID_PACK_VERIFY"
 logger = logging.getLogger("hybrid_pack.backends")
 _logged: set[tuple[str, str, str]] = set()
 _forced: ContextVar[Mapping[str, str]] = ContextVar("hybrid_pack_forced_backends", default=MappingProxyType({}))
+_discovering: ContextVar[bool] = ContextVar("hybrid_pack_discovering_keys", default=False)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Decision:
     forced: bool = False
 
 
-_decisions: dict[tuple[str, str, str, bool, str], Decision] = {}
+_decisions: dict[tuple[Any, ...], Decision] = {}
 
 
 def verification_enabled() -> bool:
@@ -124,18 +130,16 @@ def use_backends(**forced: str) -> Iterator[None]:
 
 
 def _tracing() -> bool:
-    """Inside a torch.compile trace or a CUDA graph capture: no check may run there.
-
-    :func:`resolve` itself never runs inside a trace (torch.compile breaks the graph around it); a CUDA
-    graph captured by hand (``torch.cuda.graph``) is what this mostly catches.
-    """
+    """Inside a torch.compile trace or a CUDA graph capture: no check may run there."""
     compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
     return compiling or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _key(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> VerdictKey:
-    return VerdictKey(backend.op, backend.name, backend.fingerprint, verdicts.device_name(device),
-                      signature_text(signature), requires_grad)
+def verdict_key(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
+                group_ranks: tuple[int, ...] = ()) -> VerdictKey:
+    """What a verdict is valid for: the backend's code, the device, the signature (and a sharded call's group)."""
+    text = signature_text(signature) + (f" cp_ranks={','.join(map(str, group_ranks))}" if group_ranks else "")
+    return VerdictKey(backend.op, backend.name, backend.fingerprint, verdicts.device_name(device), text, requires_grad)
 
 
 def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> CheckResult:
@@ -161,15 +165,15 @@ def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> C
 
 
 def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
-    """Run the self-check of ``backend`` for this key now and keep the result.
+    """Run the self-check of ``backend`` for this key now, on this rank only, and keep the result.
 
-    The result is kept for the process and on disk, so an environment checks each kernel once (SPEC §5a); a
-    check that ran out of memory is kept for this process only (another process may have held the memory).
+    The result is kept for the process and on disk, so an environment checks each kernel once (docs/api.md §5a);
+    a check that ran out of memory is kept for this process only (another process may have held the memory).
     """
     if _tracing():
         raise InputError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph capture "
                          "or a torch.compile trace; run hybrid_pack.backends.verify() (or one eager step) before it")
-    key = _key(backend, signature, device, requires_grad)
+    key = verdict_key(backend, signature, device, requires_grad)
     try:
         result = _in_a_clean_thread(lambda: run_check(backend, reference_of(backend.op), contract_of(backend.op),
                                                       signature, device, requires_grad), device)
@@ -183,30 +187,48 @@ def check_now(backend: Backend, signature: Signature, device: torch.device, requ
     return result
 
 
-def verdict_for(backend: Backend, signature: Signature, device: torch.device,
-                requires_grad: bool) -> CheckResult | None:
-    """The check result of ``backend`` for this key, checking now if there is none (None inside a trace).
+def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
+                  check: bool = True) -> CheckResult | None:
+    """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now.
 
-    Under ``torch.distributed`` it is the result every rank agreed on (:mod:`.agreement`): a collective the first
-    time the key is asked for (none inside :func:`~.agreement.rank_local`).
+    A key checked with gradients also serves the calls that need none. None when unknown and not checked.
     """
-    key = _key(backend, signature, device, requires_grad)
-    settled = agreement.agreed(key)
+    known = verdicts.recall(verdict_key(backend, signature, device, requires_grad))
+    if known is None and not requires_grad:
+        with_grad = verdicts.recall(verdict_key(backend, signature, device, True))
+        known = with_grad if with_grad is not None and with_grad.ok else None
+    if known is None and check:
+        known = check_now(backend, signature, device, requires_grad)
+    return known
+
+
+def verdict_for(backend: Backend, signature: Signature, device: torch.device, dtype: torch.dtype,
+                requires_grad: bool, *, check: bool = True) -> CheckResult | None:
+    """The verdict that lets ``backend`` serve this key, or None (then it does not serve). Never communicates.
+
+    The group's settled verdict (:mod:`.agreement`) comes first. Without one, a single process uses its own
+    (:func:`local_verdict`); under ``torch.distributed`` (or while :func:`discovering`) the key is remembered as
+    wanted for the next :func:`hybrid_pack.backends.verify` and None is returned, so every rank falls back alike.
+    """
+    settled = agreement.settled(verdict_key(backend, signature, device, requires_grad))
     if settled is not None:
         return settled
-    known = verdicts.recall(key)
-    if known is None and not requires_grad:
-        with_grad = verdicts.recall(_key(backend, signature, device, True))
-        known = with_grad if with_grad is not None and with_grad.ok else None
-    if known is None:
-        if _tracing():
-            return None
-        known = check_now(backend, signature, device, requires_grad)
-    return known if _tracing() else agreement.agree(key, known)     # no collective inside a graph capture
+    if _discovering.get() or distributed():
+        agreement.want(agreement.Wanted(backend.op, device.type, dtype_name(dtype), requires_grad, signature))
+        return None
+    return local_verdict(backend, signature, device, requires_grad, check=check and not _tracing())
+
+
+def _unsettled(signature: Signature, device: torch.device) -> str:
+    if distributed():
+        return (f"no verdict settled by the {dist.get_world_size()} ranks yet for {signature_text(signature)} "
+                "(hybrid_pack.backends.verify() settles it; train, the trainers and the CLI call it first)")
+    return (f"not yet checked for {signature_text(signature)} on {verdicts.device_name(device)}, and no check runs "
+            "inside a CUDA graph capture or a torch.compile trace (call hybrid_pack.backends.verify() first)")
 
 
 def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requires_grad: bool,
-             inputs: Mapping[str, Any] | None, signature: Signature | None) -> str:
+             inputs: Mapping[str, Any] | None, signature: Signature | None, *, check: bool = True) -> str:
     """Why ``candidate`` may not serve this call ("" when it may): availability, inputs, then evidence."""
     why = candidate.reason(device, dtype, requires_grad)
     if not why and candidate.accepts is not None and inputs is not None:
@@ -214,18 +236,15 @@ def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requi
     if why or candidate.reference or not verification_enabled():
         return why
     signature = signature if signature is not None else contract_of(candidate.op).default_signature(dtype, device.type)
-    verdict = verdict_for(candidate, signature, device, requires_grad)
-    if verdict is None:
-        return (f"not yet checked for {signature_text(signature)} on {verdicts.device_name(device)}, and no check "
-                "runs inside a CUDA graph capture or a torch.compile trace (run one step eagerly first)")
-    return verdict.reason
+    verdict = verdict_for(candidate, signature, device, dtype, requires_grad, check=check)
+    return _unsettled(signature, device) if verdict is None else verdict.reason
 
 
-@torch.compiler.disable  # selection runs outside compiled graphs (a graph break), eagerly, as fla's dispatch does
+@torch.compiler.disable  # a compiled graph asks static_choice() instead, while tracing
 def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool = False,
             backend: str | None = None, inputs: Mapping[str, Any] | None = None,
-            signature: Signature | None = None) -> Backend:
-    """The backend that runs ``op`` on these inputs.
+            signature: Signature | None = None, check: bool = True) -> Backend:
+    """The backend that runs ``op`` on a whole row (plain or static) with these inputs. Never communicates.
 
     Args:
         op: the op.
@@ -234,6 +253,7 @@ def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad:
         inputs: the call's inputs by name, for the backends' ``accepts`` checks.
         signature: the call's signature (sizes, flags, dtypes) for the self-check; default: the op's typical
             signature for ``dtype``.
+        check: in a single process, check a kernel with no verdict yet now (False: it does not serve).
 
     Raises:
         BackendUnavailableError: a forced backend cannot run, cannot take the inputs, or failed its check.
@@ -243,30 +263,108 @@ def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad:
         backend, source = _forced_for(op)
     if backend is not None:
         chosen = get_backend(op, backend)
-        why = _why_not(chosen, device, dtype, requires_grad, inputs, signature)
+        why = ("serves rows split across a context-parallel group only" if chosen.sharded else
+               _why_not(chosen, device, dtype, requires_grad, inputs, signature, check=check))
         if why:
             raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
         _decide(chosen, device, requires_grad, signature, [], [], forced=True)
         return chosen
     skipped, refused = [], []
     for candidate in backends_of(op):
-        why = _why_not(candidate, device, dtype, requires_grad, inputs, signature)
+        why = _why_not(candidate, device, dtype, requires_grad, inputs, signature, check=check)
         if not why:
             _decide(candidate, device, requires_grad, signature, skipped, refused, forced=False)
             return candidate
         skipped.append((candidate.name, why))
         if candidate.reason(device, dtype, requires_grad) == "":
             refused.append((candidate.name, why))
-            _log_once(op, candidate.name, why)
+            if not _discovering.get():
+                _log_once(op, candidate.name, why)
     raise BackendUnavailableError(f"{op}: no backend can run on {device.type} with {dtype_name(dtype)}")
+
+
+def resolve_sharded(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
+                    backend: str | None, inputs: Mapping[str, Any], signature: Signature,
+                    group: Any, group_ranks: tuple[int, ...]) -> Backend | None:
+    """The sharded backend (its own context parallelism) that runs this call on a rank's slice of a row, or None:
+    then the op's pure-torch context-parallel path runs around the whole-row backends. Never communicates.
+
+    A sharded backend serves only with the group's settled verdict of its collective self-check (unless
+    ``HYBRID_PACK_VERIFY=0``); ``inputs`` includes ``boundaries`` for its ``accepts``.
+
+    Raises:
+        BackendUnavailableError: a forced sharded backend cannot serve the call.
+    """
+    source = "backend=" if backend is not None else ""
+    if backend is None:
+        backend, source = _forced_for(op)
+    candidates = backends_of(op, sharded=True)
+    if backend is not None:
+        candidates = [b for b in candidates if b.name == backend]
+    for candidate in candidates:
+        why = candidate.reason(device, dtype, requires_grad) or (
+            candidate.accepts(inputs) if candidate.accepts is not None else "")
+        if not why and verification_enabled():
+            key = verdict_key(candidate, signature, device, requires_grad, group_ranks)
+            verdict = agreement.settled(key)
+            if verdict is None:
+                agreement.want(agreement.Wanted(op, device.type, dtype_name(dtype), requires_grad, signature,
+                                                group_ranks), group)
+            why = _unsettled(signature, device) if verdict is None else verdict.reason
+        if not why:
+            _decide(candidate, device, requires_grad, signature, [], [], forced=backend is not None)
+            return candidate
+        if backend is not None:
+            raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
+        if not _discovering.get():
+            _log_once(op, candidate.name, why)
+    return None
+
+
+@torch.compiler.assume_constant_result
+def static_choice(op: str, device: str, dtype: str, requires_grad: bool, backend: str | None,
+                  signature: Signature, described: tuple[tuple[str, Any], ...], check: bool) -> str:
+    """The name of the backend for a call on static boundaries; inside ``torch.compile`` it runs while tracing and
+    its answer is a constant of the graph.
+
+    Arguments are plain values (``described``: :func:`describe` of the call's inputs). While tracing ``check`` is
+    False: a kernel serves only with a verdict settled or kept before (:func:`hybrid_pack.backends.verify`).
+    """
+    inputs = {name: torch.empty(value[1], dtype=getattr(torch, value[2]), device="meta")
+              if isinstance(value, tuple) and value[:1] == ("tensor",) else value for name, value in described}
+    return resolve(op, device=torch.device(device), dtype=getattr(torch, dtype), requires_grad=requires_grad,
+                   backend=backend, inputs=inputs, signature=signature, check=check).name
+
+
+def describe(inputs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A call's inputs as plain values for :func:`static_choice`: tensors by shape and dtype."""
+    return tuple((name, ("tensor", tuple(value.shape), dtype_name(value.dtype)) if isinstance(value, torch.Tensor)
+                  else value) for name, value in inputs.items())
+
+
+def is_discovering() -> bool:
+    """Whether this call runs inside :func:`discovering` (the backends' warm-up pass)."""
+    return _discovering.get()
+
+
+@contextlib.contextmanager
+def discovering() -> Iterator[None]:
+    """Inside the block, calls record the keys they need (for :func:`hybrid_pack.backends.verify`) and run on the
+    pure-torch backends; no check runs and nothing is logged."""
+    token = _discovering.set(True)
+    try:
+        yield
+    finally:
+        _discovering.reset(token)
 
 
 def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature | None,
             skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> None:
-    """Remember the first decision per (op, device, signature, grad, backend): :func:`decisions` lists them."""
+    """Remember the first decision per (op, device, signature, grad, backend, why not the others):
+    :func:`decisions` lists them."""
     text = signature_text(signature) if signature is not None else "typical call"
-    key = (chosen.op, str(device), text, requires_grad, chosen.name)
-    if key not in _decisions:
+    key = (chosen.op, str(device), text, requires_grad, chosen.name, tuple(refused))
+    if key not in _decisions and not _discovering.get():
         _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
                                    tuple(skipped), tuple(refused), forced)
 

@@ -5,13 +5,15 @@ end exactly on the kernel's block edges, a long document beside short ones, a tr
 segment) with inputs of the call's signature, and
 
 1. its outputs agree with the pure-torch backend run in float64 on the same (rounded) inputs,
-   within the dtype's tolerance;
+   within the dtype's tolerance (:data:`hybrid_pack.isolation.TOLERANCE`, the relative error of
+   :func:`hybrid_pack.isolation.relative_error`);
 2. each document run alone gives what it got in the packed row;
-3. when gradients are needed, its gradients agree with the pure-torch backend's, and the gradient
-   of any one segment's outputs with respect to every other segment's inputs is exactly zero.
+3. when gradients are needed, its gradients agree with the pure-torch backend's (within
+   ``GRADIENT_FACTOR`` times the tolerance), and the gradient of any one segment's outputs with
+   respect to every other segment's inputs is exactly zero.
 
-The row holds ``5 * edge + reach + 10`` tokens in seven segments (331 for 64-token chunks and a
-width-4 conv, 651 for attention's 128-token tiles): one forward and backward pass of the kernel and
+The row holds ``5 * edge + reach + 11`` tokens in seven segments (335 for 64-token chunks and a
+width-4 conv, 652 for attention's 128-token tiles): one forward and backward pass of the kernel and
 of the reference, one forward pass of the kernel per document alone, and one backward pass per
 segment. Anything the backend raises fails the check.
 """
@@ -24,54 +26,27 @@ from collections.abc import Sequence
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.isolation import (
+    GRADIENT_FACTOR,
+    Layout,
+    Mismatch,
+    assert_gradient_inside,
+    compare,
+    least_precise,
+    selfcheck_layout,
+    tolerance_for,
+)
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
 
-__all__ = ["TOLERANCE", "check_layout", "run_check", "relative_error"]
-
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-"""Largest relative difference (to the largest magnitude of the reference) accepted per dtype; float32
-allows TF32 matmuls, the half types their rounding over a recurrence."""
-
-PADDING = 5
-
-
-def check_layout(edge: int, reach: int) -> tuple[list[int], int]:
-    """Document lengths and padding of the check's row for block length ``edge`` and conv reach ``reach``.
-
-    A one-token document first, then one ending exactly on a block edge, one crossing the next edge by a
-    token, another one-token document, one over three blocks long beside it (so two whole blocks lie inside
-    one document wherever it starts), one just past the reach, and a trailing padding segment: seven segments.
-    """
-    return [1, edge - 1, edge + 1, 1, 3 * edge + 3, reach + 1], PADDING
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max |actual - expected| / max |expected|`` in float64; infinite on a non-finite entry."""
-    if actual.shape != expected.shape:
-        return float("inf")
-    if actual.numel() == 0:
-        return 0.0
-    diff = (actual.double() - expected.double()).abs()
-    if not torch.isfinite(diff).all():
-        return float("inf")
-    return diff.max().item() / max(expected.double().abs().max().item(), 1e-12)
-
-
-class _Failed(Exception):
-    """One condition of the check did not hold; the message says which, ``error`` by how much (when measured)."""
-
-    def __init__(self, message: str, error: float = float("nan")) -> None:
-        super().__init__(message)
-        self.error = error
+__all__ = ["run_check"]
 
 
 def _precision(case: CheckCase) -> torch.dtype:
     """The least precise floating dtype among the per-token inputs: it sets the tolerance."""
-    dtypes = [case.arguments[name].dtype for name in case.token_inputs
-              if isinstance(case.arguments.get(name), torch.Tensor) and case.arguments[name].is_floating_point()]
-    return max(dtypes, key=lambda dtype: TOLERANCE.get(dtype, TOLERANCE[torch.float32]))
+    return least_precise(case.arguments[name].dtype for name in case.token_inputs
+                         if isinstance(case.arguments.get(name), torch.Tensor))
 
 
 def _floats(case: CheckCase) -> list[str]:
@@ -87,20 +62,6 @@ def _prepare(case: CheckCase, names: Sequence[str], *, float64: bool) -> dict[st
             value = value.clone().requires_grad_(name in names)
         args[name] = value
     return args
-
-
-def _compare(what: str, actual: list[torch.Tensor], expected: list[torch.Tensor], tolerance: float) -> float:
-    if len(actual) != len(expected):
-        raise _Failed(f"{what}: returned {len(actual)} outputs, expected {len(expected)}")
-    worst = 0.0
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        if a.shape != e.shape:
-            raise _Failed(f"{what}: output {i} has shape {list(a.shape)}, expected {list(e.shape)}")
-        error = relative_error(a, e)
-        if not error <= tolerance:
-            raise _Failed(f"{what}: output {i} differs by {error:.3g} (tolerance {tolerance:.0e})", error)
-        worst = max(worst, error)
-    return worst
 
 
 def _loss(tokens: list[torch.Tensor], documents: list[torch.Tensor], token_weights: list[torch.Tensor],
@@ -122,9 +83,9 @@ def _gradients(loss: torch.Tensor, args: dict[str, object], names: Sequence[str]
 
 def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Generator, backend: Backend,
            reference: Backend, contract: OpContract, requires_grad: bool) -> float:
-    """Run the three checks; return the largest error seen or raise :class:`_Failed`."""
+    """Run the three checks; return the largest error seen or raise :class:`~hybrid_pack.isolation.Mismatch`."""
     documents, device = boundaries.document_lengths, boundaries.device
-    tolerance = TOLERANCE.get(_precision(case), TOLERANCE[torch.float32])
+    tolerance = tolerance_for([_precision(case)])
     grad_names = _floats(case) if requires_grad else []
 
     args = _prepare(case, grad_names, float64=False)
@@ -132,7 +93,7 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
     with torch.set_grad_enabled(requires_grad):
         tokens, states = contract.outputs(case.call(backend.fn, boundaries, args))
         ref_tokens, ref_states = contract.outputs(case.call(reference.fn, boundaries, ref_args))
-    worst = _compare("against the pure-torch backend", tokens + states, ref_tokens + ref_states, tolerance)
+    worst = compare("against the pure-torch backend", tokens + states, ref_tokens + ref_states, tolerance)
 
     starts = boundaries.starts
     with torch.no_grad():
@@ -143,8 +104,8 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
             alone_tokens, alone_states = contract.outputs(
                 case.call(backend.fn, PackedBoundaries.from_lengths([length], device=device), alone))
             packed = [t[:, span] for t in tokens] + [s[doc:doc + 1] for s in states]
-            worst = max(worst, _compare(f"document {doc} ({length} tokens) alone against packed",
-                                        alone_tokens + alone_states, packed, tolerance))
+            worst = max(worst, compare(f"document {doc} ({length} tokens) packed against alone", packed,
+                                       alone_tokens + alone_states, tolerance))
     if not requires_grad:
         return worst
 
@@ -152,9 +113,8 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
     state_weights = [torch.randn(s.shape, generator=generator, dtype=torch.float64).to(device) for s in states]
     grads = _gradients(_loss(tokens, states, token_weights, state_weights), args, grad_names)
     ref_grads = _gradients(_loss(ref_tokens, ref_states, token_weights, state_weights), ref_args, grad_names)
-    for name, grad, ref_grad in zip(grad_names, grads, ref_grads):
-        worst = max(worst, _compare(f"gradient of {name} against the pure-torch backend", [grad], [ref_grad],
-                                    2 * tolerance))
+    worst = max(worst, compare("against the pure-torch backend", grads, ref_grads, GRADIENT_FACTOR * tolerance,
+                               names=[f"gradient of {name}" for name in grad_names]))
 
     crossing = [n for n in grad_names if n in case.token_inputs or n in case.document_inputs]
     for segment, length in enumerate(boundaries.segment_lengths):
@@ -162,37 +122,33 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
         document = segment if segment < boundaries.num_docs else None
         loss = _loss(tokens, states if document is not None else [], token_weights, state_weights, span, document)
         for name, grad in zip(crossing, _gradients(loss, args, crossing)):
+            what = f"gradient of segment {segment} ({length} tokens) reaches other segments' {name}"
             if name in case.token_inputs:
-                others = torch.cat([grad[:, :span.start], grad[:, span.stop:]], dim=1)
+                assert_gradient_inside(what, grad, span, dim=1)
             else:
-                others = torch.cat([grad[:segment], grad[segment + 1:]])
-            if (others != 0).any():
-                leak = others.abs().max().item()
-                raise _Failed(f"gradient of segment {segment} ({length} tokens) reaches other segments' {name} "
-                              f"(max {leak:.3g}; must be exactly 0)", leak)
+                assert_gradient_inside(what, grad, slice(segment, segment + 1), dim=0)
     return worst
 
 
 def run_check(backend: Backend, reference: Backend, contract: OpContract, signature: Signature,
-              device: torch.device, requires_grad: bool, *, layout: tuple[list[int], int] | None = None
-              ) -> CheckResult:
+              device: torch.device, requires_grad: bool, *, layout: Layout | None = None) -> CheckResult:
     """Check ``backend`` for calls of ``signature`` on ``device`` (with backward if ``requires_grad``).
 
-    ``layout`` (document lengths, padding tokens) replaces :func:`check_layout`'s short row: the GPU test tier
-    runs the same check at real sizes.
+    ``layout`` replaces the short row (:func:`~hybrid_pack.isolation.selfcheck_layout`): the GPU test tier runs
+    the same check at real sizes (:func:`~hybrid_pack.isolation.real_size_layout`).
 
     Raises:
         torch.cuda.OutOfMemoryError: out of memory is no verdict on the kernel (the caller keeps none).
     """
     began = time.perf_counter()
-    documents, padding = layout or check_layout(contract.edge(signature), contract.reach(signature))
-    boundaries = PackedBoundaries.from_document_lengths(documents, num_pad_tokens=padding, device=device)
+    layout = layout or selfcheck_layout(contract.edge(signature), contract.reach(signature))
+    boundaries = layout.boundaries(device)
     generator = torch.Generator().manual_seed(0)
     case = contract.make_case(signature, boundaries, generator)
     worst, reason = float("nan"), ""
     try:
         worst = _check(case, boundaries, generator, backend, reference, contract, requires_grad)
-    except _Failed as failure:
+    except Mismatch as failure:
         worst, reason = failure.error, f"failed its self-check: {failure}"
     except torch.cuda.OutOfMemoryError:
         raise

@@ -1,19 +1,17 @@
-"""What the backends can do here: :func:`available` (what is known) and :func:`verify` (check now)."""
+"""What the backends can do here: :func:`available` (what is known of each, and why not)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
-from hybrid_pack.ops.dispatch.selector import check_now
+from hybrid_pack.ops.dispatch.registry import backends_of, registered_ops
 from hybrid_pack.ops.dispatch.verdicts import CheckResult
 
-__all__ = ["BackendStatus", "available", "verify", "checks_of", "default_device", "default_dtypes"]
+__all__ = ["BackendStatus", "available", "checks_of", "default_device", "default_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ def available(op: str | None = None) -> list[BackendStatus]:
     """Every backend of ``op`` (or of every op), whether it can run on this machine, and why not."""
     rows = []
     for name in registered_ops() if op is None else (op,):
-        for b in backends_of(name):
+        for b in backends_of(name, sharded=None):
             checks = tuple(checks_of(b))
             failed = [c for c in checks if not c.ok]
             why = b.usable_here or (failed[-1].reason if failed and len(failed) == len(checks) else "")
@@ -66,30 +64,3 @@ def default_device() -> torch.device:
 def default_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     """The dtypes :func:`verify` checks when none is given: training's on that device."""
     return (torch.bfloat16, torch.float32) if device.type == "cuda" else (torch.float32,)
-
-
-def verify(op: str | None = None, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-           requires_grad: bool = True, progress: bool | None = None) -> list[CheckResult]:
-    """Run the self-check now for every backend of ``op`` (or of every op) that can run on ``device``.
-
-    Each backend is checked with the op's typical signature for each dtype (``dtype``, or bfloat16 and
-    float32 on CUDA, float32 on CPU); a result replaces any kept one. The pure-torch backends are checked
-    too (packed against alone and the cross-document gradient; their reference is themselves in float64).
-    ``progress``: a progress bar on stderr, one step per check (default: when stderr is a terminal).
-
-    Returns:
-        One :class:`CheckResult` per backend and dtype (``op``, ``backend``, ``ok``, ``reason``,
-        ``max_error``, ``seconds``).
-    """
-    device = default_device() if device is None else torch.device(device)
-    dtypes = (dtype,) if dtype is not None else default_dtypes(device)
-    checks = [(backend, dt) for name in (registered_ops() if op is None else (op,)) for backend in backends_of(name)
-              for dt in dtypes if not backend.reason(device, dt, requires_grad)]
-    out = []
-    with tqdm(checks, desc="self-checks", unit="check", leave=False,
-              disable=None if progress is None else not progress) as bar:
-        for backend, dt in bar:
-            bar.set_postfix_str(f"{backend.op} {backend.name} {str(dt).removeprefix('torch.')}")
-            signature = contract_of(backend.op).default_signature(dt, device.type)
-            out.append(check_now(backend, signature, device, requires_grad))
-    return out

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from hybrid_pack.ops.gated_delta.kernel_fla_cp import fla_cp_serves, gated_delta_rule_fla_cp
 from hybrid_pack.ops.validate import state_dtype
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import (
@@ -43,9 +42,9 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's part of :func:`hybrid_pack.ops.gated_delta_rule` on the whole row.
 
-    flash-linear-attention's own context parallelism (:mod:`.kernel_fla_cp`) serves when ``backend`` is
-    None or ``"fla_cp"`` and it can take the call and passed its collective self-check; otherwise the
-    pure-torch exchange below runs around the single-device op with ``backend``.
+    The pure-torch path: it runs around the single-device op with ``backend`` when no sharded backend
+    (flash-linear-attention's own context parallelism, :mod:`.kernel_fla_cp`) serves the call
+    (:mod:`hybrid_pack.ops.dispatch.route`).
 
     Args:
         op: the public single-device op (called with plain boundaries and ``backend``).
@@ -63,13 +62,10 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
         rank (float64 inputs: equal to 1e-10).
     """
     boundaries.check_group()
-    if fla_cp_serves(backend, functools.partial(op, backend="torch"), q, k, v, g, beta, boundaries,
-                     initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm):
-        return gated_delta_rule_fla_cp(q, k, v, g, beta, boundaries, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    local_op = functools.partial(op, backend=backend)
+    local_op, local = functools.partial(op, backend=backend), boundaries.local
     chain = state_chain(boundaries)
     if not chain.exchanges:
-        return local_op(q, k, v, g, beta, boundaries.local(), scale=scale, initial_state=initial_state,
+        return local_op(q, k, v, g, beta, local, scale=scale, initial_state=initial_state,
                         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
 
     num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
@@ -80,10 +76,10 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
     if continues:
         # Widen the values by K zero columns whose state starts as the identity in the first segment.
         v = torch.cat([v, v.new_zeros(*v.shape[:3], k_dim)], dim=-1)
-        identity = torch.zeros(boundaries.num_segments, num_v_heads, k_dim, k_dim, dtype=dtype_of_states,
+        identity = torch.zeros(local.num_segments, num_v_heads, k_dim, k_dim, dtype=dtype_of_states,
                                device=v.device)
         identity[0] = torch.eye(k_dim, dtype=dtype_of_states, device=v.device)
-        zeros = identity.new_zeros(boundaries.num_segments, num_v_heads, k_dim, v_dim)
+        zeros = identity.new_zeros(local.num_segments, num_v_heads, k_dim, v_dim)
         starts = torch.cat([zeros if starts is None else starts, identity], dim=-1)
     o, finals = local_op(q, k, v, g, beta, segments, scale=scale, initial_state=starts, output_final_state=True,
                          use_qk_l2norm=use_qk_l2norm)
@@ -102,9 +98,9 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
 
     incoming = fold(chain, summaries, unpack, torch.matmul)               # [HV, K, V] or None
     if incoming is not None:
-        first = boundaries.segment_lengths[0]
+        first = local.segment_lengths[0]
         correction = torch.einsum("thk,hkv->thv", u[0, :first].to(dtype_of_states), incoming).to(o.dtype)
         o = torch.cat([o[:, :first] + correction, o[:, first:]], dim=1)
         finals = torch.cat([finals[:1] + transition @ incoming, finals[1:]])
     o = tie(o, summaries)
-    return o, finals[: boundaries.num_docs] if output_final_state else None
+    return o, finals[: local.num_docs] if output_final_state else None

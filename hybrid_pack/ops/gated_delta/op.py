@@ -7,13 +7,11 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.dispatch.agreement import rank_local
-from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, state_dtype
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -55,30 +53,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
     check_shape("g", g, (1, t_len, hv))
     check_shape("beta", beta, (1, t_len, hv))
-    static = isinstance(boundaries, StaticBoundaries)
-    slots = boundaries.num_segments if static else boundaries.num_docs
-    check_shape("initial_state", initial_state, (slots, hv, k_dim, v_dim))
+    check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
     scale = k_dim ** -0.5 if scale is None else float(scale)
-    if static:
-        out = STATIC_OP(q, k, v, g, beta, initial_state, cu_seqlens=boundaries.cu_seqlens, backend=backend,
-                        requires_grad=needs_grad(q, k, v, g, beta, initial_state), scale=scale,
-                        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
-        return out[0], out[1] if output_final_state else None
-    if isinstance(boundaries, ShardedBoundaries):
-        # Ranks of one row make different local calls (a continuing document, widened values): each rank
-        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
-        # different keys across ranks and hang.
-        with rank_local():
-            return gated_delta_rule_cp(gated_delta_rule, q, k, v, g, beta, boundaries, scale=scale,
-                                       initial_state=initial_state, output_final_state=output_final_state,
-                                       use_qk_l2norm=use_qk_l2norm, backend=backend)
-    impl = resolve(OP, backend=backend, device=q.device, dtype=q.dtype,
-                   requires_grad=needs_grad(q, k, v, g, beta, initial_state),
-                   inputs={"q": q, "k": k, "v": v, "g": g, "beta": beta},
-                   signature=signature_of(q, k, v, g, beta, initial_state=initial_state,
-                                          output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm))
-    return impl.fn(q, k, v, g, beta, boundaries, scale=scale, initial_state=initial_state,
-                   output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    arguments = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
+                 "output_final_state": output_final_state, "use_qk_l2norm": use_qk_l2norm}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, beta, initial_state))
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -95,6 +74,12 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state:
     return [v.new_empty(v.shape), *(state if output_final_state else [])]
 
 
-STATIC_OP = PackedCustomOp("gated_delta_rule", ("q", "k", "v", "g", "beta", "initial_state?"),
-                           "float scale, bool output_final_state, bool use_qk_l2norm", _eager,
-                           fake=_fake, state_input=5)
+ROUTE = OpRoute(
+    OP, gated_delta_rule, positional=("q", "k", "v", "g", "beta"),
+    signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
+                                     output_final_state=a["output_final_state"], use_qk_l2norm=a["use_qk_l2norm"]),
+    sharded=gated_delta_rule_cp,
+    opaque=PackedCustomOp("gated_delta_rule", ("q", "k", "v", "g", "beta", "initial_state?"),
+                          "float scale, bool output_final_state, bool use_qk_l2norm", _eager, fake=_fake,
+                          state_input=5),
+    from_opaque=lambda outputs, a: (outputs[0], outputs[1] if a["output_final_state"] else None))

@@ -56,16 +56,17 @@ def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
     kwargs = {"D": D, "z": z, "dt_bias": dt_bias, "dt_softplus": dt_softplus, "chunk_size": chunk_size,
               "backend": backend}
     boundaries.check_group()
+    local = boundaries.local
     chain = state_chain(boundaries)
     if not chain.exchanges:
-        return op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=initial_states,
+        return op(x, dt, A, B, C, local, **kwargs, initial_states=initial_states,
                   return_final_states=return_final_states)
 
     heads, head_dim, groups, state_dim = x.shape[2], x.shape[3], B.shape[2], B.shape[3]
     cdtype = state_dtype(x.dtype)
     continues = boundaries.continues_from_previous
     starts = segment_initial_states(initial_states, boundaries, cdtype, padding=False)
-    result = op(x, dt, A, B, C, boundaries.local(), **kwargs, initial_states=starts,
+    result = op(x, dt, A, B, C, local, **kwargs, initial_states=starts,
                 return_final_states=return_final_states)
     y, finals = result if return_final_states else (result, None)
     bias = None if dt_bias is None else dt_bias.to(cdtype)
@@ -77,14 +78,14 @@ def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
 
     # The last segment's final state, in closed form (so the local op need not return states, and any
     # backend serves it): sum_t exp(s_end - s_t) dt_t x_t B_t^T, plus its starting state decayed.
-    last = boundaries.segment_lengths[-1]
+    last = local.segment_lengths[-1]
     step, log_decay = steps_and_log_decay(slice(-last, None))
     b_heads = B[0, -last:].to(cdtype).repeat_interleave(heads // groups, dim=1)         # [last, H, N]
     last_state = torch.einsum("th,thp,thn->hpn", (log_decay[-1] - log_decay).exp() * step,
                               x[0, -last:].to(cdtype), b_heads)
-    if starts is not None and boundaries.num_segments == boundaries.num_docs:  # the last segment is a document
+    if starts is not None and local.num_segments == local.num_docs:  # the last segment is a document
         last_state = last_state + log_decay[-1].exp()[:, None, None] * starts[-1]
-    first = boundaries.segment_lengths[0]
+    first = local.segment_lengths[0]
     if continues:
         _, first_log_decay = steps_and_log_decay(slice(0, first))                      # [first, H]
         transition = first_log_decay[-1].exp()                                          # [H]
@@ -103,7 +104,7 @@ def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
         if z is not None:
             correction = correction * F.silu(z[0, :first].to(cdtype))
         y = torch.cat([y[:, :first] + correction.to(y.dtype), y[:, first:]], dim=1)
-        if finals is not None and boundaries.num_docs:
+        if finals is not None and local.num_docs:
             finals = torch.cat([finals[:1] + transition[:, None, None] * incoming, finals[1:]])
     y = tie(y, summaries)
     return (y, finals) if return_final_states else y

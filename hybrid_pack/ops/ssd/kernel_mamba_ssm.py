@@ -12,10 +12,15 @@ What the kernel cannot do, :func:`ssd_accepts` sends to the next backend:
   ends inside the first chunk.
 * final states with autograd: ``return_varlen_states`` has no backward.
 * a ``chunk_size`` that is not a power of two in ``[16, 256]``.
+
+mamba-ssm imports its CUDA extension ``selective_scan_cuda`` when the package is imported, though the Triton
+SSD never calls it: installed without it (``MAMBA_SKIP_CUDA_BUILD=TRUE``) the package does not import, and
+:func:`mamba_ssm_device_reason` says so instead of this backend failing its self-check.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,9 +28,9 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.missing_extension import stand_in_for
+from hybrid_pack.ops.triton_device import triton_device_reason
 
-__all__ = ["mamba2_ssd", "ssd_accepts", "CHUNK_SIZES"]
+__all__ = ["mamba2_ssd", "mamba_ssm_device_reason", "ssd_accepts", "CHUNK_SIZES"]
 
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 
@@ -38,6 +43,22 @@ def _unsupported(*, chunk_size: int, has_initial_states: bool, final_states_with
     if final_states_with_grad:
         return "mamba_chunk_scan_combined has no backward through per-document final states"
     return ""
+
+
+@functools.cache
+def _import_reason() -> str:
+    try:
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+    except ImportError as err:
+        return (f"mamba-ssm does not import ({err}): it needs its CUDA extension built (scripts/install_kernels_gpu.sh "
+                "builds it; MAMBA_SKIP_CUDA_BUILD=TRUE leaves it out)")
+    return ""
+
+
+def mamba_ssm_device_reason(device: torch.device, dtype: torch.dtype) -> str:
+    """Why ``mamba_chunk_scan_combined`` cannot run on ``device`` with ``dtype`` ("" when it can): where Triton
+    kernels run (:func:`~hybrid_pack.ops.triton_device.triton_device_reason`), then whether mamba-ssm imports."""
+    return triton_device_reason(device, dtype) or _import_reason()
 
 
 def ssd_accepts(inputs: Mapping[str, Any]) -> str:
@@ -57,7 +78,6 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     Raises:
         ValueError: inputs :func:`ssd_accepts` refuses (the selector never sends them here).
     """
-    stand_in_for("selective_scan_cuda")  # built with MAMBA_SKIP_CUDA_BUILD=TRUE: the Triton SSD needs no CUDA build
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     final_states_with_grad = return_final_states and torch.is_grad_enabled() and any(

@@ -7,13 +7,11 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.dispatch.agreement import rank_local
-from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, state_dtype
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
 
 
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -61,32 +59,14 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         raise InputError(f"D: expected shape [{h}] or [{h}, {p}]; got {list(D.shape)}")
     check_shape("z", z, x.shape)
     check_shape("dt_bias", dt_bias, (h,))
-    static = isinstance(boundaries, StaticBoundaries)
-    check_shape("initial_states", initial_states, (boundaries.num_segments if static else boundaries.num_docs, h, p, n))
+    check_shape("initial_states", initial_states, (document_slots(boundaries), h, p, n))
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
-    if static:
-        out = STATIC_OP(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens=boundaries.cu_seqlens,
-                        backend=backend, requires_grad=requires_grad, dt_softplus=dt_softplus, chunk_size=chunk_size,
-                        return_final_states=return_final_states)
-        return (out[0], out[1]) if return_final_states else out[0]
-    if isinstance(boundaries, ShardedBoundaries):
-        # Ranks of one row make different local calls (a continuing document, widened values): each rank
-        # uses backends that passed its own self-check; agreeing verdicts by call order could pair
-        # different keys across ranks and hang.
-        with rank_local():
-            return mamba2_ssd_cp(mamba2_ssd, x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias,
-                                 dt_softplus=dt_softplus, chunk_size=chunk_size, initial_states=initial_states,
-                                 return_final_states=return_final_states, backend=backend)
-    impl = resolve(OP, backend=backend, device=x.device, dtype=x.dtype, requires_grad=requires_grad,
-                   inputs={"x": x, "B": B, "chunk_size": chunk_size, "initial_states": initial_states,
-                           "return_final_states": return_final_states, "requires_grad": requires_grad},
-                   signature=signature_of(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                          chunk_size=chunk_size, initial_states=initial_states,
-                                          return_final_states=return_final_states))
-    return impl.fn(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                   chunk_size=chunk_size, initial_states=initial_states, return_final_states=return_final_states)
+    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
+                 "dt_softplus": dt_softplus, "chunk_size": chunk_size, "initial_states": initial_states,
+                 "return_final_states": return_final_states}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=requires_grad)
 
 
 def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -103,6 +83,14 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, return_final_states
     return [x.new_empty(x.shape), *(states if return_final_states else [])]
 
 
-STATIC_OP = PackedCustomOp("mamba2_ssd", ("x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?", "initial_states?"),
-                           "bool dt_softplus, int chunk_size, bool return_final_states", _eager, fake=_fake,
-                           state_input=8)
+ROUTE = OpRoute(
+    OP, mamba2_ssd, positional=("x", "dt", "A", "B", "C"),
+    signature=lambda a: signature_of(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], z=a["z"],
+                                     dt_bias=a["dt_bias"], dt_softplus=a["dt_softplus"], chunk_size=a["chunk_size"],
+                                     initial_states=a["initial_states"],
+                                     return_final_states=a["return_final_states"]),
+    sharded=mamba2_ssd_cp,
+    opaque=PackedCustomOp("mamba2_ssd", ("x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?", "initial_states?"),
+                          "bool dt_softplus, int chunk_size, bool return_final_states", _eager, fake=_fake,
+                          state_input=8),
+    from_opaque=lambda outputs, a: (outputs[0], outputs[1]) if a["return_final_states"] else outputs[0])

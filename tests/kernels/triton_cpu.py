@@ -1,9 +1,10 @@
 """Run the Triton kernels of flash-linear-attention and mamba-ssm on CPU, in Triton's interpreter.
 
-For tests only (the real-kernel tier, ``tests/kernels``). ``TRITON_INTERPRET=1`` (set before
-``fla`` / ``mamba_ssm`` are imported) makes ``@triton.jit`` kernels run as numpy on the host, so CI
-without a GPU can check the adapters against the real kernels. Four gaps stay between those packages
-and a CPU-only torch build; :func:`enable_cpu_interpreter` closes each one, and only that:
+The real-kernel tier's set-up: ``tests/kernels/conftest.py`` calls :func:`enable_cpu_interpreter`.
+``TRITON_INTERPRET=1`` (set before ``fla`` / ``mamba_ssm`` are imported) makes ``@triton.jit`` kernels run
+as numpy on the host, so CI without a GPU can check the adapters against the real kernels. Four gaps stay
+between those packages and a CPU-only torch build; :func:`enable_cpu_interpreter` closes each one, and only
+that:
 
 1. **Autotuning needs a GPU driver.** ``Autotuner`` times every config with the active driver's
    benchmarker, and there is no driver on CPU. Here every config reports the same time, so the
@@ -19,7 +20,10 @@ and a CPU-only torch build; :func:`enable_cpu_interpreter` closes each one, and 
    .multi_processor_count``, which raises without CUDA. Here a CPU device reports one SM.
 
 The CUDA extension modules the packages import at module level (``causal_conv1d_cuda``,
-``selective_scan_cuda``) are replaced by stubs that raise when called; only the Triton paths run.
+``selective_scan_cuda``, skipped at build time by ``scripts/install_kernels_cpu.sh``) are stood in for by
+modules whose every function raises; only the Triton paths run. Then
+:func:`hybrid_pack.ops.triton_device.mark_cpu_interpreter_ready` lets the backends' device probe send float32
+calls on CPU to these kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -34,10 +39,9 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.missing_extension import stand_in_for
 from hybrid_pack.ops.triton_device import INTERPRET_ENV, cpu_interpreter_enabled, mark_cpu_interpreter_ready
 
-__all__ = ["CUDA_EXTENSIONS", "enable_cpu_interpreter"]
+__all__ = ["CUDA_EXTENSIONS", "MissingExtension", "enable_cpu_interpreter"]
 
 CUDA_EXTENSIONS = ("causal_conv1d_cuda", "selective_scan_cuda")
 
@@ -63,9 +67,23 @@ def enable_cpu_interpreter() -> None:
     mark_cpu_interpreter_ready()
 
 
+class MissingExtension(types.ModuleType):
+    """A CUDA extension module that is not built: importable, every function raises."""
+
+    def __getattr__(self, attr: str) -> Callable[..., Any]:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def unavailable(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{self.__name__}.{attr}: this CUDA extension is not built")
+
+        return unavailable
+
+
 def _stub_cuda_extensions() -> None:
     for name in CUDA_EXTENSIONS:
-        stand_in_for(name)
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = MissingExtension(name)
 
 
 def _same_time_for_every_config(kernel_call: Callable[[], None], quantiles: tuple[float, ...] = ()) -> list[float]:

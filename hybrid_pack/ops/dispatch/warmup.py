@@ -1,0 +1,145 @@
+"""The backends' warm-up: :func:`verify` checks every key the ranks want and settles one verdict per key for the
+whole group (docs/api.md §5a), so that choosing a backend afterwards never communicates (:mod:`.agreement`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from hybrid_pack.distributed import distributed, share_objects
+from hybrid_pack.ops.dispatch import agreement
+from hybrid_pack.ops.dispatch.agreement import Wanted
+from hybrid_pack.ops.dispatch.contract import dtype_name
+from hybrid_pack.ops.dispatch.cp_check import cp_check
+from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
+from hybrid_pack.ops.dispatch.selector import discovering, local_verdict, verdict_key, verification_enabled
+from hybrid_pack.ops.dispatch.status import default_device, default_dtypes
+from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
+
+__all__ = ["verify"]
+
+
+def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch: Mapping[str, Any] | None = None,
+           device: torch.device | str | None = None, dtype: torch.dtype | None = None, requires_grad: bool = True,
+           progress: bool | None = None) -> list[CheckResult]:
+    """The warm-up that settles which backend serves each op and call key, for every rank at once (docs/api.md §5a).
+
+    Under ``torch.distributed`` it is collective: every rank calls it at the same point, before the first step
+    (``train``, the trainers and the CLI do). The ranks unite the keys they want, every rank checks every key
+    (a result kept on disk is reused), and a backend serves a key only where it passed on every rank; a sharded
+    backend's collective check runs on its context-parallel group. Afterwards each call only looks its backend up,
+    so ranks never run different kernels for one key and nothing waits on another rank mid-step.
+
+    The keys: every key a call asked for since the last ``verify()`` (calls under ``torch.distributed`` wait for a
+    settled verdict and run on the pure-torch backends meanwhile) and, with ``model`` and ``batch``, those one
+    forward and backward pass of ``model(**batch)`` asks for (run eagerly on the pure-torch backends, gradients set
+    to None after); when there are none, each op's typical signature for each dtype on ``device``, the pure-torch
+    backends included (packed against alone, and against themselves in float64).
+
+    Args:
+        op: only this op's keys (default: every op).
+        model, batch: the model and one batch as the training loop feeds it (this rank's share of a sharded row).
+        device: where to check (default: CUDA when available, else CPU).
+        dtype: the typical calls' dtype (default: bfloat16 and float32 on CUDA, float32 on CPU).
+        requires_grad: check the typical calls with their backward pass.
+        progress: a progress bar on stderr, one step per check (default: when stderr is a terminal).
+
+    Returns:
+        The verdict settled for each backend and key this rank checked (``op``, ``backend``, ``ok``, ``reason``,
+        ``max_error``, ``seconds``).
+    """
+    device = default_device() if device is None else torch.device(device)
+    if model is not None:
+        _discover(model, batch or {})
+    calls = [c for c in agreement.wanted(clear=True) if op is None or c.op == op]
+    sharded_here = {c for c in calls if c.group_ranks and agreement.group_of(c.group_ranks)[0]}
+    if distributed():
+        everyone = share_objects((calls, sharded_here))
+        calls = [c for mine, _ in everyone for c in mine]
+        # a sharded key is checked where every rank of its group ran it (each holds the group to check it on)
+        sharded_here = {c for c in calls if c.group_ranks and all(c in everyone[r][1] for r in c.group_ranks)}
+    typical = not calls and model is None
+    if typical:
+        calls = [Wanted(name, device.type, dtype_name(dt), requires_grad, contract_of(name).default_signature(
+            dt, device.type)) for name in (registered_ops() if op is None else (op,))
+            for dt in ((dtype,) if dtype is not None else default_dtypes(device))]
+    calls = sorted(set(calls), key=repr)  # the same order on every rank
+    plain = [(b, c) for c in calls if not c.group_ranks for b in backends_of(c.op)
+             if (typical or not b.reference) and not b.reason(device, getattr(torch, c.dtype), c.requires_grad)]
+    out = []
+    with tqdm(plain, desc="self-checks", unit="check", leave=False,
+              disable=None if progress is None else not progress) as bar:
+        for backend, call in bar:
+            bar.set_postfix_str(f"{backend.op} {backend.name} {call.dtype}")
+            out.append((backend, call, local_verdict(backend, call.signature, device, call.requires_grad)))
+    settled = _agree([(verdict_key(b, c.signature, device, c.requires_grad), result) for b, c, result in out])
+    return settled + _settle_sharded([c for c in calls if c in sharded_here], device)
+
+
+def _agree(results: list[tuple[VerdictKey, CheckResult]]) -> list[CheckResult]:
+    """Settle each key's verdict: this rank's own in a single process, failed where any rank failed otherwise."""
+    if distributed():
+        everyone = share_objects({key.text(): (result.ok, result.reason) for key, result in results})
+        agreed = []
+        for key, result in results:
+            failed = [(rank, theirs.get(key.text(), (False, "cannot run there"))) for rank, theirs in
+                      enumerate(everyone)]
+            failed = [(rank, why) for rank, (ok, why) in failed if not ok]
+            if result.ok and failed:
+                result = dataclasses.replace(result, ok=False, reason=(
+                    f"passed its self-check here but not on rank {failed[0][0]} ({failed[0][1]}); every rank "
+                    "runs the same backend"))
+            agreed.append((key, result))
+        results = agreed
+    for key, result in results:
+        agreement.settle(key, result)
+    return [result for _, result in results]
+
+
+def _settle_sharded(calls: list[Wanted], device: torch.device) -> list[CheckResult]:
+    """Run the sharded backends' collective checks, key by key in the same order on every rank of each group."""
+    if not calls or not verification_enabled() or not distributed():
+        return []
+    rank = dist.get_rank()
+    out = []
+    for call in calls:
+        if rank not in call.group_ranks:
+            continue
+        _, group = agreement.group_of(call.group_ranks)
+        for backend in backends_of(call.op, sharded=True):
+            runnable = not backend.reason(device, getattr(torch, call.dtype), call.requires_grad)
+            everywhere = all(share_objects(runnable, group))
+            if not everywhere:
+                continue
+            result = cp_check(backend, call.signature, device, call.requires_grad, group,
+                              dist.get_group_rank(group or dist.group.WORLD, rank), len(call.group_ranks))
+            agreement.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)
+            out.append(result)
+    return out
+
+
+def _discover(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """One forward and backward pass of ``model(**batch)`` on the pure-torch backends, recording the keys it asks
+    for; the parameters' gradients are set to None after."""
+    with discovering(), torch.compiler.set_stance("force_eager"):
+        loss = _scalar(model(**batch))
+        if loss.requires_grad:
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _scalar(output: Any) -> torch.Tensor:
+    """A scalar to run the backward from: the model's loss, else the mean of its logits (or first output)."""
+    if isinstance(output, Mapping):  # transformers' ModelOutput and plain dicts
+        output = output["loss"] if output.get("loss") is not None else output.get("logits", next(iter(output.values())))
+    elif isinstance(output, (tuple, list)):
+        output = output[0]
+    else:
+        output = getattr(output, "loss", None) if getattr(output, "loss", None) is not None else getattr(
+            output, "logits", output)
+    return output.float().mean()

@@ -1,0 +1,113 @@
+"""``hybrid-pack train`` and ``demo`` take their options from :class:`TrainConfig`'s fields: every field has its
+``--kebab-case`` option with its help, a parsed command line is the config it names, and every flag the docs and
+earlier releases use still parses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hybrid_pack.training
+from hybrid_pack.cli import main
+from hybrid_pack.errors import InputError
+from hybrid_pack.packing.plan import OVERFLOW_POLICIES
+from hybrid_pack.training import DEFAULT_GUARD_EVERY, TrainConfig
+
+FLAGS = ("--out", "--model", "--max-examples", "--capacity", "--overflow", "--report-to", "--seed", "--no-progress",
+         "--guard-every", "--data", "--epochs", "--max-steps", "--grad-accum", "--lr", "--warmup-steps",
+         "--weight-decay", "--dtype", "--device", "--compare-padded", "--isolation-check", "--checkpoint-every",
+         "--resume", "--fsdp", "--context-parallel", "--compile")
+"""``hybrid-pack train``'s flags before its options were generated (docs/training.md lists them)."""
+
+
+class Parsed(Exception):
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+
+
+@pytest.fixture
+def parse(monkeypatch: pytest.MonkeyPatch):
+    """``parse("train", "--lr", "1")``: the TrainConfig the command line gives ``train`` (nothing is trained)."""
+
+    def stop(config: TrainConfig) -> None:
+        raise Parsed(config)
+
+    monkeypatch.setattr(hybrid_pack.training, "train", stop)
+
+    def run(*argv: str) -> TrainConfig:
+        with pytest.raises(Parsed) as parsed:
+            main(list(argv))
+        return parsed.value.config
+
+    return run
+
+
+def help_text(command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """``hybrid-pack COMMAND --help``, one line per option."""
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_field_is_an_option_with_its_help(capsys, monkeypatch):
+    text = help_text("train", capsys, monkeypatch)
+    for setting in dataclasses.fields(TrainConfig):
+        assert setting.metadata["help"], f"{setting.name}: no help"
+        flag = "--" + ("no-" if setting.default is True else "") + setting.name.replace("_", "-")
+        assert f" {flag}" in text, f"{setting.name}: no {flag} in hybrid-pack train --help"
+    assert all(f" {flag}" in text for flag in FLAGS)
+    guard = next(line for line in text.splitlines() if line.strip().startswith("--guard-every N"))
+    assert guard.endswith(f"(default: {DEFAULT_GUARD_EVERY})")
+
+
+def test_no_options_give_the_default_config(parse):
+    assert parse("train") == TrainConfig()
+
+
+def test_each_option_sets_its_field(parse, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text("")
+    config = parse("train", "--out", "o", "--model", "bamba-tiny", "--max-examples", "7", "--capacity", "64",
+                   "--overflow", "split", "--report-to", "tensorboard", "--seed", "3", "--no-progress",
+                   "--guard-every", "0", "--data", str(data), "--epochs", "2", "--max-steps", "5", "--grad-accum", "4",
+                   "--lr", "0.5", "--warmup-steps", "1", "--weight-decay", "0", "--min-lr-ratio", "0.2",
+                   "--max-grad-norm", "2", "--dtype", "float32", "--device", "cpu", "--compare-padded",
+                   "--isolation-check", "--checkpoint-every", "9", "--resume", "--compile")
+    expected = TrainConfig(out="o", model="bamba-tiny", max_examples=7, capacity=64, overflow="split",
+                           report_to=["tensorboard"], seed=3, progress=False, guard_every=0, data=str(data),
+                           epochs=2, max_steps=5, grad_accum=4, lr=0.5, warmup_steps=1, weight_decay=0.0,
+                           min_lr_ratio=0.2, max_grad_norm=2.0, dtype="float32", device="cpu", compare_padded=True,
+                           isolation_check=True, checkpoint_every=9, resume=True, compile=True)
+    assert config == expected
+    assert parse("train", "--context-parallel", "2").context_parallel == 2
+    assert parse("train", "--fsdp").fsdp
+    assert parse("train", "--report-to", "tensorboard", "tensorboard").report_to == ["tensorboard", "tensorboard"]
+
+
+def test_demo_takes_its_own_defaults_and_always_compares(parse, capsys, monkeypatch):
+    config = parse("demo")
+    assert (config.out, config.max_examples, config.compare_padded, config.isolation_check) == (
+        "runs/demo", 600, True, True)
+    assert parse("demo", "--max-examples", "8", "--no-progress").max_examples == 8
+    text = help_text("demo", capsys, monkeypatch)
+    assert "--epochs" not in text and "(default: 600)" in text
+
+
+@pytest.mark.parametrize(("argv", "field"), [(["--overflow", "wrap"], "overflow"), (["--dtype", "float16"], "dtype"),
+                                              (["--epochs", "x"], "epochs")])
+def test_a_value_outside_the_choices_exits_2(argv, field, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", *argv])
+    assert info.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_the_config_checks_the_choices_its_options_offer():
+    assert dataclasses.fields(TrainConfig)[[f.name for f in dataclasses.fields(TrainConfig)].index(
+        "overflow")].metadata["choices"] == OVERFLOW_POLICIES
+    with pytest.raises(InputError, match=r"dtype: expected one of 'auto', 'float32', 'bfloat16'; got 'float16'"):
+        TrainConfig(dtype="float16")
+    with pytest.raises(InputError, match=r"overflow: expected one of 'error', 'truncate', 'split', 'drop'"):
+        TrainConfig(overflow="wrap")
