@@ -125,15 +125,15 @@ def test_compiled_model_keeps_documents_apart_on_every_layout(family: str) -> No
     """``torch.compile`` of the patched model: two layouts of the same length must each give the eager results
     (no compiled graph holds on to one layout's boundaries), and gradients stay inside their document.
 
-    Inside the graph the boundaries are read from tensors only; Jamba's scan then resets its state per token
-    instead of running documents side by side: the same sums in another order (1e-6 apart)."""
+    Inside the graph the boundaries are read from tensors only and the ops run their static forms (row chunks
+    with masks instead of per-document chunks): the same sums in another order, a few 1e-6 apart in float32."""
     eager = patch_model(tiny_model(family))
     compiled = torch.compile(eager, backend="eager")
     assert patch_model(compiled) is compiled
     for lengths in ([5, 19, 1, 7], [7, 1, 19, 5]):
         batch = _batch(lengths)
         with torch.no_grad():
-            torch.testing.assert_close(compiled(**batch).logits, eager(**batch).logits, rtol=0, atol=1e-6)
+            torch.testing.assert_close(compiled(**batch).logits, eager(**batch).logits, rtol=0, atol=1e-5)
     grads = []
     for model in (eager, compiled):
         embeds = eager.get_input_embeddings()(batch[INPUT_IDS]).detach().requires_grad_(True)
@@ -141,7 +141,7 @@ def test_compiled_model_keeps_documents_apart_on_every_layout(family: str) -> No
         model(inputs_embeds=embeds, **keys).logits[0, :7].sum().backward()
         grads.append(embeds.grad)
     assert grads[1][0, 7:].abs().max() == 0
-    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["bamba", "jamba"])

@@ -27,6 +27,16 @@ from hybrid_pack.boundaries import ChunkLayout, PackedBoundaries
 from hybrid_pack.ops.validate import state_dtype
 
 
+def skip_and_gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+    """``(y + D x) * silu(z)`` (each part when given), in ``y``'s dtype: ``y, x [T, H, P]``, ``D [H]`` or
+    ``[H, P]``, ``z [1, T, H, P]``."""
+    if D is not None:
+        y = y + x * (D.to(y.dtype) if D.dim() == 2 else D.to(y.dtype)[:, None])
+    if z is not None:
+        y = y * F.silu(z[0].to(y.dtype))
+    return y
+
+
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
     """``dt + dt_bias``, then softplus, then clamped at 0 (mamba-ssm's default ``dt_limit=(0, inf)``)."""
     if dt_bias is not None:
@@ -116,11 +126,7 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     y = y + (Cc @ incoming.transpose(-1, -2)) * torch.exp(log_decay).view(rows, groups, heads_per_group, size, 1)
 
     y = layout.from_chunks(y.view(rows, heads, size, head_dim).transpose(1, 2))  # [T, H, P]
-    if D is not None:
-        y = y + x_f * (D.to(cdtype) if D.dim() == 2 else D.to(cdtype)[:, None])
-    if z is not None:
-        y = y * F.silu(z[0].to(cdtype))
-    y = y.to(x.dtype).unsqueeze(0)
+    y = skip_and_gate(y, x_f, D, z).to(x.dtype).unsqueeze(0)
     if not return_final_states:
         return y
     return y, final_ranked[layout.rank_of_segment[: boundaries.num_docs]]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries.static import StaticBoundaries
-from hybrid_pack.ops.ssd.torch_backend import discretize_dt
+from hybrid_pack.ops.ssd.torch_backend import discretize_dt, skip_and_gate
 from hybrid_pack.ops.validate import state_dtype
 
 __all__ = ["mamba2_ssd"]
@@ -170,11 +170,7 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         starts_here = torch.exp(torch.where(continues[:, None, None], float("-inf"), log_in))
         seen = (initial[seq[:total]] @ C[0].to(cdtype)[:, :, None, :, None]).squeeze(-1)      # [T, G, r, P]
         y = y + (_row(starts_here)[:total, ..., None] * seen).flatten(1, 2)
-    if D is not None:
-        y = y + x_f * (D.to(cdtype) if D.dim() == 2 else D.to(cdtype)[:, None])
-    if z is not None:
-        y = y * F.silu(z[0].to(cdtype))
-    y = y.to(x.dtype).unsqueeze(0)
+    y = skip_and_gate(y, x_f, D, z).to(x.dtype).unsqueeze(0)
     if not return_final_states:
         return y
     final = _final_states(x_dt, Bc, log_in, segment, entering, starts, ends, initial)
