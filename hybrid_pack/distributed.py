@@ -7,6 +7,8 @@ self-check verdict per key for the group (``ops/dispatch/warmup.py``), and the g
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,10 +60,13 @@ def end_process_group() -> None:
 
     Without the barrier gloo can abort the process at exit ("terminate called without an active exception") or
     deadlock in its destructor: its worker thread still frees the last collectives, which needs the GIL that the
-    main thread holds while joining it. Call it only where every rank gets there (not while unwinding from an
-    error on one rank).
+    main thread holds while joining it. So after the barrier the main thread collects its garbage and then
+    sleeps a moment, without the GIL, for gloo's threads to finish freeing. Call it only where every rank gets
+    there (not while unwinding from an error on one rank).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
+    gc.collect()
+    time.sleep(0.2)
     dist.destroy_process_group()
