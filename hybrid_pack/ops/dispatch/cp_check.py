@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.isolation import TOLERANCE, adversarial_cp_row, relative_error
+from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row, compare, tolerance_for
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, signature_text
 from hybrid_pack.ops.dispatch.registry import contract_of
@@ -52,17 +52,18 @@ def rank_arguments(case: Any, sharded: ShardedBoundaries) -> dict[str, Any]:
 
 
 def _outputs_and_grads(op: str, fn: Callable[..., Any], case: Any, sharded: ShardedBoundaries,
-                       requires_grad: bool) -> list[torch.Tensor]:
+                       requires_grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's token outputs, and (with ``requires_grad``) the gradients of one random projection of them."""
     args = rank_arguments(case, sharded)
     tokens, _ = contract_of(op).outputs(case.call(fn, sharded, args))
     generator = torch.Generator().manual_seed(1)
     weights = [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device) for t in tokens]
     if not requires_grad:
-        return list(tokens)
+        return list(tokens), []
     leaves = [v for v in args.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     loss = sum((t.double() * w).sum() for t, w in zip(tokens, weights))
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return [*tokens, *(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))]
+    return list(tokens), [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
 
 
 def cp_check(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
@@ -79,15 +80,16 @@ def cp_check(backend: Backend, signature: Signature, device: torch.device, requi
     reference = functools.partial(route_of(backend.op).public, backend="torch")
     worst = float("nan")
     try:
-        actual = _outputs_and_grads(backend.op, backend.fn, case, sharded, requires_grad)
-        expected = _outputs_and_grads(backend.op, reference, case, sharded, requires_grad)
-        dtypes = [case.arguments[n].dtype for n in case.token_inputs if isinstance(case.arguments.get(n), torch.Tensor)]
-        tolerance = max(TOLERANCE.get(d, TOLERANCE[torch.float32]) for d in dtypes)
-        errors = [relative_error(a, e) for a, e in zip(actual, expected)]
-        worst = max(errors)
-        reason = "" if worst <= tolerance else (
-            f"context-parallel self-check: output/gradient {errors.index(worst)} differs from the pure-torch path by "
-            f"{worst:.3g} (tolerance {tolerance:.0e})")
+        actual, actual_grads = _outputs_and_grads(backend.op, backend.fn, case, sharded, requires_grad)
+        expected, expected_grads = _outputs_and_grads(backend.op, reference, case, sharded, requires_grad)
+        tolerance = tolerance_for(case.arguments[n].dtype for n in case.token_inputs
+                                  if isinstance(case.arguments.get(n), torch.Tensor))
+        worst = compare("outputs", actual, expected, tolerance)
+        worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))
+        reason = ""
+    except Mismatch as mismatch:
+        worst, reason = mismatch.error, (f"context-parallel self-check: {mismatch.what} differs from the pure-torch "
+                                         f"path by {mismatch.error:.3g} (tolerance {mismatch.tolerance:.0e})")
     except Exception as error:  # a kernel that raises fails the check; the group still agrees below
         reason = f"context-parallel self-check raised {type(error).__name__}: {error}"
     failed = torch.tensor([1.0 if reason else 0.0], device=device)
