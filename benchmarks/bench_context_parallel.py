@@ -1,17 +1,24 @@
 """Context parallelism on CPU (gloo): each op's time and bytes per rank, and activation memory per rank.
 
-    .venv/bin/python benchmarks/bench_context_parallel.py [--ranks 2 4] [--sizes 4096 ... 65536]
+    .venv/bin/python benchmarks/bench_context_parallel.py [--ranks 2 4] [--sizes 16384 32768 65536]
+        [--layout contiguous zigzag] [--repeats 3] [--quadratic-repeats 1]
+        [--out benchmarks/results/context_parallel.json]
 
 launches itself under ``torch.distributed.run`` once per group size (2 and 4 processes, gloo, one thread
-each). For conv (D=64, W=4, silu) and attention (H=4, Hkv=2, D=32, causal), float32, on rows of 4k to 64k
-tokens: forward + backward of the op on this rank's shard (the slowest rank's median of ``--repeats``) against
-the unsharded op on the same row (one process, while the others wait), and the bytes each rank receives
-(the backward sends the same bytes back). Rows: documents of 129 to 2048 tokens ("mixed"), and one document
-filling the row ("one document"; attention only up to 16k tokens: its unsharded cost is quadratic).
-Activation memory: the bytes autograd saves for backward (``saved_tensors_hooks``, parameters left out) in
-one forward of a model on a 8192-token row of mixed documents, per rank against unsharded.
+each). For conv (D=64, W=4, silu) and attention (H=4, Hkv=2, D=32, causal), float32, on rows of 16k to 64k
+tokens (by default), under each layout: forward + backward of the op on this rank's shard (median of
+``--repeats``: the slowest rank's wall time, and each rank's own CPU time, max and mean over the ranks: the
+balance) against the unsharded op on the same row (one process, while the others wait), the speed-up
+(unsharded over the slowest rank's wall time), and the bytes each rank receives from other ranks (the
+backward sends the same bytes back). Rows: documents of 129 to 2048 tokens ("mixed"), and one document
+filling the row ("one document"). One-document attention rows longer than 16k tokens are timed
+``--quadratic-repeats`` times (after one warm-up): their cost is quadratic in the row (the unsharded 64k row
+takes about a minute per forward + backward on one core). Activation memory: the bytes autograd saves for
+backward (``saved_tensors_hooks``, parameters left out) in one forward of a model on a 8192-token row of
+mixed documents, per rank against unsharded, under each layout (bench_activation_checkpointing.py measures
+the same with activation checkpointing).
 
-Writes ``benchmarks/results/context_parallel.json`` and prints markdown tables for docs/parallel.md.
+Writes ``--out`` (``benchmarks/results/context_parallel.json``) and prints markdown tables for docs/parallel.md.
 The machine has 2 cores: 4 ranks oversubscribe it, so their times are upper bounds.
 """
 
@@ -39,11 +46,13 @@ from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.ops import causal_conv1d, varlen_attention
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
+from hybrid_pack.parallel.boundaries import LAYOUTS as CP_LAYOUTS
 from hybrid_pack.parallel.exchange import halo_plan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "context_parallel.json"
 MIXED = (700, 1500, 333, 2048, 129)
-ONE_DOCUMENT_LIMIT = {"attention": 16_384}
+QUADRATIC_ROW = 16_384
+"""One-document attention rows longer than this many tokens get ``--quadratic-repeats`` repeats."""
 MEMORY_TOKENS = 8192
 
 
@@ -61,14 +70,18 @@ def mixed(total: int) -> list[int]:
 LAYOUTS: dict[str, Callable[[int], list[int]]] = {"mixed": mixed, "one document": lambda total: [total]}
 
 
-def op_call(op: str, total: int) -> tuple[Callable[[PackedBoundaries, slice], torch.Tensor], int | None, int]:
-    """``run(boundaries, window)`` (forward + backward on the window's tokens), the halo limit, bytes per token."""
+Tokens = Callable[[torch.Tensor], torch.Tensor]
+"""A whole-row ``[1, T, ...]`` tensor -> the tokens one process runs on (all of them, or a shard's)."""
+
+
+def op_call(op: str, total: int) -> tuple[Callable[[PackedBoundaries, Tokens], torch.Tensor], int | None, int]:
+    """``run(boundaries, tokens)`` (forward + backward on those tokens), the halo limit, bytes per token."""
     generator = torch.Generator().manual_seed(0)
     if op == "conv":
         x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((1, total, 64), (64, 4), (64,)))
 
-        def run(boundaries: PackedBoundaries, window: slice) -> torch.Tensor:
-            leaves = [t.detach().requires_grad_() for t in (x[:, window], weight, bias)]
+        def run(boundaries: PackedBoundaries, tokens: Tokens) -> torch.Tensor:
+            leaves = [t.detach().requires_grad_() for t in (tokens(x), weight, bias)]
             out = causal_conv1d(*leaves, boundaries, activation="silu")
             out.sum().backward()
             return out
@@ -76,8 +89,8 @@ def op_call(op: str, total: int) -> tuple[Callable[[PackedBoundaries, slice], to
         return run, 3, 64 * 4
     q, k, v = (torch.randn(1, total, heads, 32, generator=generator) for heads in (4, 2, 2))
 
-    def run(boundaries: PackedBoundaries, window: slice) -> torch.Tensor:
-        leaves = [t[:, window].detach().requires_grad_() for t in (q, k, v)]
+    def run(boundaries: PackedBoundaries, tokens: Tokens) -> torch.Tensor:
+        leaves = [tokens(t).detach().requires_grad_() for t in (q, k, v)]
         out = varlen_attention(*leaves, boundaries)
         out.sum().backward()
         return out
@@ -85,14 +98,17 @@ def op_call(op: str, total: int) -> tuple[Callable[[PackedBoundaries, slice], to
     return run, None, 2 * 2 * 32 * 4
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Medians of ``fn()``'s wall time and of this process's CPU time, in ms (ranks that wait on each other in
+    an exchange share its wall time; the CPU time is each rank's own work)."""
     fn()  # warm-up
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(1e3 * (time.perf_counter() - began))
-    return statistics.median(times)
+        wall.append(1e3 * (time.perf_counter() - began))
+        cpu.append(1e3 * (time.process_time() - began_cpu))
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def slowest(value: float) -> float:
@@ -101,27 +117,35 @@ def slowest(value: float) -> float:
     return float(tensor)
 
 
-def op_rows(sizes: list[int], repeats: int) -> list[dict]:
+def mean(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return float(tensor) / dist.get_world_size()
+
+
+def op_rows(sizes: list[int], repeats: int, quadratic_repeats: int, cp_layouts: list[str]) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for op, (layout, lengths_of) in itertools.product(("conv", "attention"), LAYOUTS.items()):
         for total in sizes:
-            if layout == "one document" and total > ONE_DOCUMENT_LIMIT.get(op, total):
-                continue
+            quadratic = op == "attention" and layout == "one document" and total > QUADRATIC_ROW
+            repeats_here = quadratic_repeats if quadratic else repeats
             row = PackedBoundaries.from_document_lengths(lengths_of(total))
             run, limit, token_bytes = op_call(op, total)
-            shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world)
-            window = slice(shard.offset, shard.offset + shard.local.total_tokens)
-            unsharded = median_ms(functools.partial(run, row, slice(None)), repeats) if rank == 0 else 0.0
-            dist.barrier()
-            sharded = slowest(median_ms(functools.partial(run, shard, window), repeats))
-            plan = halo_plan(shard, limit)
-            received = slowest(plan.halo_tokens * token_bytes)
-            rows.append({"op": op, "layout": layout, "tokens": total, "ranks": world,
-                         "unsharded_ms": slowest(unsharded), "sharded_ms": sharded,
-                         "max_bytes_received_per_rank": int(received)})
-            if rank == 0:
-                print(json.dumps(rows[-1]), flush=True)
+            whole_row = functools.partial(run, row, lambda t: t)
+            unsharded = slowest(median_ms(whole_row, repeats_here)[0] if rank == 0 else 0.0)
+            for cp_layout in cp_layouts:
+                shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world, layout=cp_layout)
+                dist.barrier()
+                sharded, cpu = median_ms(functools.partial(run, shard, shard.take), repeats_here)
+                received = sum(count for _, count in halo_plan(shard, limit).exchange.receives) * token_bytes
+                rows.append({"op": op, "layout": layout, "cp_layout": cp_layout, "tokens": total, "ranks": world,
+                             "repeats": repeats_here,
+                             "unsharded_ms": unsharded, "sharded_ms": slowest(sharded), "cpu_ms_max": slowest(cpu),
+                             "cpu_ms_mean": mean(cpu), "max_bytes_received_per_rank": int(slowest(received))})
+                rows[-1]["speedup"] = unsharded / rows[-1]["sharded_ms"]
+                if rank == 0:
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -142,7 +166,7 @@ def saved_bytes(model: torch.nn.Module, batch: dict) -> int:
     return sum(storages.values())
 
 
-def memory_rows() -> list[dict]:
+def memory_rows(cp_layouts: list[str]) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     models = {
         "attention model (AA)": lambda: HybridForCausalLM(HybridConfig(layer_pattern="AA", vocab_size=1024)),
@@ -156,61 +180,73 @@ def memory_rows() -> list[dict]:
     for name, make in models.items():
         torch.manual_seed(0)
         model = make()
-        unsharded = saved_bytes(model, batch) if rank == 0 else 0
-        dist.barrier()
-        sharded = slowest(saved_bytes(model, shard_batch(batch)))
-        rows.append({"model": name, "tokens": MEMORY_TOKENS, "ranks": world, "unsharded_bytes": int(slowest(unsharded)),
-                     "max_bytes_per_rank": int(sharded)})
-        if rank == 0:
-            print(json.dumps(rows[-1]), flush=True)
+        unsharded = int(slowest(saved_bytes(model, batch) if rank == 0 else 0))
+        for cp_layout in cp_layouts:
+            dist.barrier()
+            sharded = slowest(saved_bytes(model, shard_batch(batch, layout=cp_layout)))
+            rows.append({"model": name, "cp_layout": cp_layout, "tokens": MEMORY_TOKENS, "ranks": world,
+                         "unsharded_bytes": unsharded, "max_bytes_per_rank": int(sharded)})
+            if rank == 0:
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def worker(out: str, sizes: list[int], repeats: int) -> None:
+def worker(out: str, sizes: list[int], repeats: int, quadratic_repeats: int, cp_layouts: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    record = {"ops": op_rows(sizes, repeats), "memory": memory_rows()}
+    record = {"ops": op_rows(sizes, repeats, quadratic_repeats, cp_layouts), "memory": memory_rows(cp_layouts)}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
 def tables(results: dict) -> str:
-    lines = ["| op | row | tokens | ranks | unsharded ms | sharded ms (slowest rank) | bytes received per rank |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| op | row | layout | tokens | ranks | unsharded ms | sharded ms (slowest rank) | speed-up "
+             "| CPU ms per rank, max / mean | max / mean | bytes received per rank |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["ops"]:
-        lines.append(f"| {r['op']} | {r['layout']} | {r['tokens']:,} | {r['ranks']} | {r['unsharded_ms']:.1f} | "
-                     f"{r['sharded_ms']:.1f} | {r['max_bytes_received_per_rank']:,} |")
-    lines += ["", "| model | tokens | ranks | activations unsharded (MB) | per rank (MB) | per rank / unsharded |",
-              "|---|---:|---:|---:|---:|---:|"]
+        lines.append(f"| {r['op']} | {r['layout']} | {r['cp_layout']} | {r['tokens']:,} | {r['ranks']} | "
+                     f"{r['unsharded_ms']:.1f} | {r['sharded_ms']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['cpu_ms_max']:.1f} / {r['cpu_ms_mean']:.1f} | {r['cpu_ms_max'] / r['cpu_ms_mean']:.2f} | "
+                     f"{r['max_bytes_received_per_rank']:,} |")
+    lines += ["", "| model | layout | tokens | ranks | activations unsharded (MB) | per rank (MB) "
+              "| per rank / unsharded |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in results["memory"]:
-        lines.append(f"| {r['model']} | {r['tokens']:,} | {r['ranks']} | {r['unsharded_bytes'] / 2**20:.1f} | "
-                     f"{r['max_bytes_per_rank'] / 2**20:.1f} | {r['max_bytes_per_rank'] / r['unsharded_bytes']:.2f} |")
+        lines.append(f"| {r['model']} | {r['cp_layout']} | {r['tokens']:,} | {r['ranks']} | "
+                     f"{r['unsharded_bytes'] / 2**20:.1f} | {r['max_bytes_per_rank'] / 2**20:.1f} | "
+                     f"{r['max_bytes_per_rank'] / r['unsharded_bytes']:.2f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quadratic-repeats", type=int, default=1,
+                        help=f"repeats of one-document attention rows over {QUADRATIC_ROW} tokens")
+    parser.add_argument("--layout", nargs="+", choices=CP_LAYOUTS, default=list(CP_LAYOUTS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.sizes, args.repeats)
+        worker(args.worker, args.sizes, args.repeats, args.quadratic_repeats, args.layout)
         return
-    results: dict = {"ops": [], "memory": [], "torch": torch.__version__, "machine": platform.processor() or "cpu",
-                     "cpu_count": os.cpu_count()}
+    results: dict = {"command": " ".join(["benchmarks/bench_context_parallel.py", *sys.argv[1:]]),
+                     "torch": torch.__version__, "machine": platform.processor() or "cpu", "cpu_count": os.cpu_count(),
+                     "ops": [], "memory": []}
     for ranks in args.ranks:
-        part = RESULTS.with_suffix(f".{ranks}.tmp")
+        part = args.out.with_suffix(f".{ranks}.tmp")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                   __file__, "--worker", str(part), "--repeats", str(args.repeats), "--sizes", *map(str, args.sizes)]
+                   __file__, "--worker", str(part), "--repeats", str(args.repeats),
+                   "--quadratic-repeats", str(args.quadratic_repeats), "--sizes", *map(str, args.sizes),
+                   "--layout", *args.layout]
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
         record = json.loads(part.read_text())
         part.unlink()
         results["ops"] += record["ops"]
         results["memory"] += record["memory"]
-    RESULTS.write_text(json.dumps(results, indent=1))
+    args.out.write_text(json.dumps(results, indent=1))
     print(tables(results))
 
 

@@ -123,7 +123,7 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("examples / documents trained / real tokens",
-                  f"{metrics['examples']:,} / {metrics['documents']:,} / {metrics['real_tokens']:,}")
+                  f"{metrics['examples']:,} / {metrics['documents_trained']:,} / {metrics['real_tokens']:,}")
     for row in _data_loss_rows(metrics):
         table.add_row(*row)
     table.add_row("packs per epoch (lower bound) / steps",
@@ -144,7 +144,7 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
         table.add_row("runtime guard", f"OFF: {metrics['guard_off']}")
     if "compiles" in metrics:
         table.add_row("compiled, static batches", f"[1, {metrics['pack_length']}], up to {metrics['max_documents']} "
-                      f"documents: {metrics['compiles']} compilation(s)")
+                      f"documents: {metrics['compiles']} graph(s), {metrics.get('recompiles', 0)} after the first step")
     table.add_row("loss first -> last step", f"{metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}")
     table.add_row("packed real tokens/s", f"{metrics['tokens_per_second']:,.0f}")
     if "padded_tokens_per_second" in metrics:

@@ -9,16 +9,19 @@ path, and RoPE reads their ``document_positions`` (counted from the document's s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
+from hybrid_pack.boundaries.targets import shift_labels as shifted_targets
 from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.loss import packed_loss
 from hybrid_pack.modeling.attention import Attention
@@ -28,6 +31,7 @@ from hybrid_pack.modeling.mamba2 import Mamba2
 from hybrid_pack.modeling.mlp import build_mlp
 from hybrid_pack.modeling.norm import GatedRMSNorm, RMSNorm
 from hybrid_pack.modeling.rope import RotaryEmbedding
+from hybrid_pack.ops.linear_cross_entropy import linear_cross_entropy
 from hybrid_pack.ops.validate import local_boundaries
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
@@ -55,18 +59,43 @@ _MIXERS = {"G": GatedDeltaNet, "M": Mamba2, "A": Attention}
 class CausalLMOutput:
     """``loss``: float32 scalar or None (no labels); ``logits``: ``[B, T, vocab_size]``.
 
+    With labels, the loss comes from the final hidden states and the LM head's weight through
+    :func:`~hybrid_pack.ops.linear_cross_entropy` and the forward pass builds no logits: ``logits`` computes them
+    on first read, ``head(last_hidden_state)``, and keeps them. A training step that reads only ``loss`` never holds
+    ``[T, V]`` logits; one that reads ``logits`` (the guard, the harness, an evaluation) gets the same tensor as
+    without labels, with its gradient. Under FSDP2 the head's weight is sharded again after the forward pass, and
+    reading ``logits`` then gathers it: a collective, so every rank of the mesh must read them.
+    ``last_hidden_state`` (the final norm's output ``[B, T, hidden]``) and ``head`` are what they are built from;
+    ``computed_logits`` holds them once built.
+
     Indexable like a Hugging Face ``ModelOutput`` (``out["loss"]``, ``out[0]`` is the first field
     that is not None), so ``transformers.Trainer`` can read it.
     """
 
     loss: torch.Tensor | None
-    logits: torch.Tensor
+    computed_logits: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = field(default=None, repr=False)
+    head: nn.Linear | None = field(default=None, repr=False)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[B, T, vocab_size]`` in the model's dtype; computed from ``last_hidden_state`` on first read."""
+        if self.computed_logits is None:
+            if isinstance(self.head.weight, DTensor):  # FSDP2 sharded the head again after the forward: gather it
+                self.computed_logits = F.linear(self.last_hidden_state, self.head.weight.full_tensor())
+            else:
+                self.computed_logits = self.head(self.last_hidden_state)
+        return self.computed_logits
 
     def to_tuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(v for v in (self.loss, self.logits) if v is not None)
 
-    def __getitem__(self, key: str | int) -> torch.Tensor | None:
-        return getattr(self, key) if isinstance(key, str) else self.to_tuple()[key]
+    def __getitem__(self, key: str | int | slice) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        if isinstance(key, str):
+            return getattr(self, key)
+        if key == 0:  # what transformers.Trainer reads for the loss: no logits built for it
+            return self.loss if self.loss is not None else self.logits
+        return self.to_tuple()[key]
 
 
 class HybridDecoderLayer(nn.Module):
@@ -187,7 +216,9 @@ class HybridForCausalLM(nn.Module):
         Args:
             input_ids: int64 ``[1, T]`` packed row (or ``[B, T]`` of B whole documents without boundary keys).
             labels: int64, same shape, unshifted, ``-100`` ignored (the collator puts it on each document's
-                first token). The loss is :func:`hybrid_pack.packed_loss` (mean over target tokens).
+                first token). The loss is :func:`hybrid_pack.packed_loss`'s (mean over target tokens), computed by
+                :func:`~hybrid_pack.ops.linear_cross_entropy` from the final hidden states without ``[T, V]`` logits
+                (through the logits when the head is not a plain bias-free ``nn.Linear``).
             position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, num_pad_tokens:
                 the collator's boundary keys; any subset that agrees is fine.
             inputs_embeds: ``[1, T, hidden]`` instead of ``input_ids`` (e.g. to take gradients w.r.t. them).
@@ -201,7 +232,8 @@ class HybridForCausalLM(nn.Module):
                 for the training loss, not the model, and are not read here.
 
         Returns:
-            :class:`CausalLMOutput` with ``logits`` ``[B, T, vocab_size]`` and ``loss`` (None without labels).
+            :class:`CausalLMOutput` with ``logits`` ``[B, T, vocab_size]`` (with labels, built on first read) and
+            ``loss`` (None without labels).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise InputError("input_ids: expected exactly one of input_ids or inputs_embeds")
@@ -232,16 +264,44 @@ class HybridForCausalLM(nn.Module):
             hidden_states = self.model(boundaries, input_ids=input_ids.reshape(1, -1))
         else:
             hidden_states = self.model(boundaries, inputs_embeds=inputs_embeds.reshape(1, rows * tokens, -1))
-        logits = self.lm_head(hidden_states.view(rows, tokens, -1))   # not a view: FSDP2 hooks the output
+        hidden_states = hidden_states.view(rows, tokens, -1)
+        targets = self._targets(labels, shift_labels, boundaries, rows, tokens)
+        if targets is not None and self._fused_loss:
+            loss = linear_cross_entropy(hidden_states, self.lm_head.weight, targets.view(rows, tokens),
+                                        num_items=num_items_in_batch)
+            return CausalLMOutput(loss=loss, last_hidden_state=hidden_states, head=self.lm_head)
+        logits = self.lm_head(hidden_states)   # not a view: FSDP2 hooks the output
         loss = None
-        flat = logits.view(1, rows * tokens, -1)
-        if shift_labels is not None:
-            loss = packed_loss(flat, shift_labels.reshape(1, rows * tokens), boundaries=boundaries,
+        if targets is not None:
+            loss = packed_loss(logits.view(1, rows * tokens, -1), targets, boundaries=boundaries,
                                num_items_in_batch=num_items_in_batch, shifted=True)
-        elif labels is not None:
-            loss = packed_loss(flat, labels.reshape(1, rows * tokens), boundaries=boundaries,
-                               num_items_in_batch=num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutput(loss=loss, computed_logits=logits)
+
+    @property
+    def _fused_loss(self) -> bool:
+        """Whether the loss can skip the logits: the head is a plain bias-free ``nn.Linear`` (not wrapped by an
+        adapter or sharded on its own by FSDP2, which would change what its weight holds outside its forward)."""
+        return type(self.lm_head) is nn.Linear and self.lm_head.bias is None
+
+    @staticmethod
+    def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
+                 boundaries: PackedBoundaries | StaticBoundaries | ShardedBoundaries, rows: int, tokens: int
+                 ) -> torch.Tensor | None:
+        """The row's next-token targets ``[1, B * T]`` (``shift_labels`` as given; ``labels`` shifted within each
+        document), or None without labels."""
+        given = shift_labels if shift_labels is not None else labels
+        if given is None:
+            return None
+        name = "shift_labels" if shift_labels is not None else "labels"
+        if given.numel() != rows * tokens:
+            raise InputError(f"{name}: expected {rows * tokens} labels (the input's [B, T] = {[rows, tokens]}); got "
+                             f"shape {list(given.shape)}")
+        if shift_labels is not None:
+            return shift_labels.reshape(1, rows * tokens)
+        if isinstance(boundaries, ShardedBoundaries):
+            raise InputError("labels: a context-parallel shard's last target is the next rank's first label; pass "
+                             "the shard's shift_labels from shard_batch (shift_labels=)")
+        return shifted_targets(labels.reshape(1, rows * tokens), boundaries)
 
     def save_pretrained(self, directory: str | PathLike[str]) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the weights, a tied head stored once) to ``directory``."""

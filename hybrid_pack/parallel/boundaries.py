@@ -21,12 +21,32 @@ import torch.distributed as dist
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
 
-__all__ = ["ShardedBoundaries", "LAYOUTS"]
+__all__ = ["ShardedBoundaries", "LAYOUTS", "layout_chunks"]
 
-LAYOUTS = ("contiguous",)
-"""How a row's tokens may be distributed over the ranks: ``"contiguous"``, rank ``r`` holding ``[r*T/R, (r+1)*T/R)``."""
+LAYOUTS = ("contiguous", "zigzag")
+"""How a row's ``T`` tokens may be distributed over ``R`` ranks: ``"contiguous"``, rank ``r`` holding
+``[r*T/R, (r+1)*T/R)``; ``"zigzag"``, the row cut into ``2R`` chunks of ``T/(2R)`` and rank ``r`` holding
+chunks ``r`` and ``2R-1-r``, in that order (balances causal attention: an early chunk with a late one)."""
 
 View = TypeVar("View")
+
+Chunk = tuple[int, int]
+"""``(row_start, length)``: a run of consecutive row tokens one rank holds."""
+
+
+def layout_chunks(layout: str, total_tokens: int, world_size: int, rank: int) -> tuple[Chunk, ...]:
+    """The row chunks rank ``rank`` holds under ``layout``, in its local order (``total_tokens`` must divide by
+    ``world_size``, and by ``2 * world_size`` for ``"zigzag"``)."""
+    if layout == "zigzag":
+        size = total_tokens // (2 * world_size)
+        return (rank * size, size), ((2 * world_size - 1 - rank) * size, size)
+    size = total_tokens // world_size
+    return ((rank * size, size),)
+
+
+def _preceding_in_document(starts: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """For each row position, the tokens of its segment before it (``starts``: every segment's start)."""
+    return positions - starts[np.searchsorted(starts, positions, side="right") - 1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,15 +54,17 @@ class ShardedBoundaries:
     """This rank's part of a packed row split across a context-parallel group.
 
     Attributes:
-        local: :class:`PackedBoundaries` of this rank's ``T_local = row.total_tokens // world_size`` tokens cut
-            into segments: a document crossing a rank edge is one segment on each rank it touches, and the
-            row's padding segment, or this rank's part of it, stays the last local segment. What a
-            single-device op runs on; its ``position_ids`` restart at every local segment.
+        local: :class:`PackedBoundaries` of this rank's ``T_local = row.total_tokens // world_size`` tokens (its
+            :attr:`chunks`, in order) cut into segments at document, rank and chunk edges: a document crossing
+            an edge is one segment on each side. The row's padding in this rank's last chunk is the last local
+            segment (padding in an earlier zigzag chunk is a plain segment there). What a single-device op runs
+            on; its ``position_ids`` restart at every local segment.
         row: the boundaries of the whole row (every rank holds the same).
         group: the context-parallel process group (``torch.distributed.ProcessGroup``; None = the world).
         rank, world_size: this rank's index in ``group`` and the group's size.
-        offset: the row position of this rank's first token (contiguous layout: ``rank * T_local``).
-        layout: how tokens are distributed over ranks (``"contiguous"``).
+        offset: the row position of this rank's first token (its first chunk's start: ``rank * T_local``
+            contiguous, ``rank * T_local / 2`` zigzag).
+        layout: how tokens are distributed over ranks, one of :data:`LAYOUTS`.
     """
 
     local: PackedBoundaries
@@ -58,37 +80,40 @@ class ShardedBoundaries:
         for name in ("local", "row"):
             if not isinstance(getattr(self, name), PackedBoundaries):
                 raise BoundaryError(f"{name}: expected a PackedBoundaries; got {type(getattr(self, name)).__name__}")
-        if self.layout not in LAYOUTS:
-            raise InputError(f"layout: expected one of {LAYOUTS}; got {self.layout!r}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise InputError(f"rank: expected 0 <= rank < world_size ({self.world_size}); got {self.rank}")
+        _check_split(self.row.total_tokens, self.world_size, self.rank, self.layout)
         per_rank = self.local.total_tokens
-        if per_rank * self.world_size != self.row.total_tokens or self.offset != self.rank * per_rank:
+        first = self.chunks[0][0]
+        if per_rank * self.world_size != self.row.total_tokens or self.offset != first:
             raise BoundaryError(f"local: expected rank {self.rank}'s {self.row.total_tokens // self.world_size} "
-                                f"tokens of the {self.row.total_tokens}-token row at offset "
-                                f"{self.rank * (self.row.total_tokens // self.world_size)}; got {per_rank} tokens "
-                                f"at offset {self.offset} (build them with ShardedBoundaries.from_row)")
+                                f"tokens of the {self.row.total_tokens}-token row at offset {first} ({self.layout} "
+                                f"layout); got {per_rank} tokens at offset {self.offset} (build them with "
+                                "ShardedBoundaries.from_row)")
+        edges = np.cumsum([length for _, length in self.chunks])
+        if not np.isin(edges, np.cumsum(self.local.segment_lengths)).all():
+            raise BoundaryError(f"local: segments {list(self.local.segment_lengths)} are not cut at the edges "
+                                f"{edges.tolist()} of this rank's chunks {list(self.chunks)} (build them with "
+                                "ShardedBoundaries.from_row)")
 
     @classmethod
-    def from_row(cls, row: PackedBoundaries, *, group: Any, rank: int, world_size: int) -> ShardedBoundaries:
-        """Rank ``rank``'s contiguous slice ``[rank*T/R, (rank+1)*T/R)`` of ``row`` (T divisible by R)."""
+    def from_row(cls, row: PackedBoundaries, *, group: Any, rank: int, world_size: int,
+                 layout: str = "contiguous") -> ShardedBoundaries:
+        """Rank ``rank``'s part of ``row`` under ``layout`` (:data:`LAYOUTS`; T divisible by R, by 2R for zigzag)."""
         total = row.total_tokens
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise InputError(f"rank: expected 0 <= rank < world_size ({world_size}); got {rank}")
-        if total % world_size:
-            raise InputError(f"pack_length: the row's {total} tokens do not divide by the context-parallel size "
-                             f"{world_size}; pad rows to a multiple of it (PackingCollator(pad_to_multiple_of="
-                             f"{world_size}) or a pack_length divisible by {world_size})")
-        per_rank = total // world_size
-        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        _check_split(total, world_size, rank, layout)
         ends = np.cumsum(row.segment_lengths)
         starts = ends - np.asarray(row.segment_lengths)
-        keep = (ends > lo) & (starts < hi)
-        pieces = (np.minimum(ends[keep], hi) - np.maximum(starts[keep], lo)).tolist()
         pad_row_start = total - row.num_pad_tokens
-        num_pad = max(0, hi - max(lo, pad_row_start)) if row.num_pad_tokens else 0
+        chunks = layout_chunks(layout, total, world_size, rank)
+        pieces: list[int] = []
+        for lo, length in chunks:
+            hi = lo + length
+            keep = (ends > lo) & (starts < hi)
+            pieces += (np.minimum(ends[keep], hi) - np.maximum(starts[keep], lo)).tolist()
+        last_lo, last_length = chunks[-1]
+        num_pad = max(0, last_lo + last_length - max(last_lo, pad_row_start)) if row.num_pad_tokens else 0
         local = PackedBoundaries.from_lengths(pieces, device=row.device, num_pad_tokens=num_pad)
-        return cls(local=local, row=row, group=group, rank=rank, world_size=world_size, offset=lo)
+        return cls(local=local, row=row, group=group, rank=rank, world_size=world_size, offset=chunks[0][0],
+                   layout=layout)
 
     # ------------------------------------------------------------ where the slice sits
     @property
@@ -97,41 +122,112 @@ class ShardedBoundaries:
         return self.local.device
 
     @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """``(row_start, length)`` of this rank's chunks in local order: one contiguous, two zigzag."""
+        return self.chunks_of(self.rank)
+
+    def chunks_of(self, rank: int) -> tuple[Chunk, ...]:
+        """The chunks rank ``rank`` of the group holds (what the exchanges are planned from)."""
+        return layout_chunks(self.layout, self.row.total_tokens, self.world_size, rank)
+
+    @property
+    def chunk_segments(self) -> tuple[tuple[int, ...], ...]:
+        """The local segments' lengths, one tuple per chunk (segments are cut at chunk edges)."""
+        def build() -> tuple[tuple[int, ...], ...]:
+            ends = np.cumsum(self.local.segment_lengths).tolist()
+            out, first, edge = [], 0, 0
+            for _, length in self.chunks:
+                edge += length
+                last = ends.index(edge) + 1
+                out.append(self.local.segment_lengths[first:last])
+                first = last
+            return tuple(out)
+
+        return self.view("chunk_segments", build)
+
+    @property
+    def chunk_first_positions(self) -> tuple[tuple[int, ...], ...]:
+        """For every rank of the group and each of its chunks, the row tokens of the chunk's first segment
+        before the chunk's start (0 where a segment starts there): ``[world_size][chunks]``. Host-side, the
+        same on every rank."""
+        def build() -> tuple[tuple[int, ...], ...]:
+            starts = np.asarray(self.row.starts, dtype=np.int64)
+            return tuple(tuple(_preceding_in_document(starts, np.asarray([s for s, _ in self.chunks_of(r)])).tolist())
+                         for r in range(self.world_size))
+
+        return self.view("chunk_first_positions", build)
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a whole-row per-token tensor ``[B, T, ...]``: ``[B, T_local, ...]``, its chunks'
+        slices along dim 1 in local order."""
+        parts = [values[:, start:start + length] for start, length in self.chunks]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    @property
+    def document_positions(self) -> torch.Tensor:
+        """int64 ``[1, T_local]``: positions in the document counted from its start on the row (RoPE's)."""
+        def build() -> torch.Tensor:
+            positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in self.chunks])
+            starts = np.asarray(self.row.starts, dtype=np.int64)
+            return torch.from_numpy(_preceding_in_document(starts, positions)[None]).to(self.device)
+
+        return self.view("document_positions", build)
+
+    # ------------------------------------------------------------ the contiguous layout's edges
+    @property
     def first_segment(self) -> int:
-        """Index in ``row`` of this rank's first local segment."""
+        """Index in ``row`` of this rank's first local segment (contiguous layout)."""
+        self._require_contiguous("first_segment")
         return int(np.searchsorted(np.cumsum(self.row.segment_lengths), self.offset, side="right"))
 
     @property
     def first_positions(self) -> np.ndarray:
         """int64 ``[world_size]``: for every rank of the group, the tokens of its first segment's document held
-        by earlier ranks (0 where a segment starts on the rank's edge). Host-side, the same on every rank."""
-        def build() -> np.ndarray:
-            offsets = np.arange(self.world_size, dtype=np.int64) * self.local.total_tokens
-            starts = np.asarray(self.row.starts, dtype=np.int64)
-            return offsets - starts[np.searchsorted(starts, offsets, side="right") - 1]
-
-        return self.view("first_positions", build)
+        by earlier ranks (0 where a segment starts on the rank's edge). Host-side, the same on every rank
+        (contiguous layout; :attr:`chunk_first_positions` for any)."""
+        self._require_contiguous("first_positions")
+        return self.view("first_positions", lambda: np.asarray(
+            [positions[0] for positions in self.chunk_first_positions], dtype=np.int64))
 
     @property
     def first_position(self) -> int:
-        """Tokens of the first local segment's document held by earlier ranks (0 when it starts here)."""
+        """Tokens of the first local segment's document held by earlier ranks, 0 when it starts here (contiguous
+        layout)."""
+        self._require_contiguous("first_position")
         return int(self.first_positions[self.rank])
 
     @property
     def continues_from_previous(self) -> bool:
-        """Whether the first local segment began on an earlier rank."""
+        """Whether the first local segment began on an earlier rank (contiguous layout)."""
+        self._require_contiguous("continues_from_previous")
         return self.first_position > 0
 
     @property
     def continues_into_next(self) -> bool:
-        """Whether the last local segment goes on into the next rank."""
+        """Whether the last local segment goes on into the next rank (contiguous layout)."""
+        self._require_contiguous("continues_into_next")
         return self.rank + 1 < self.world_size and bool(self.first_positions[self.rank + 1])
 
-    @property
-    def document_positions(self) -> torch.Tensor:
-        """int64 ``[1, T_local]``: positions in the document counted from its start on the row (RoPE's)."""
-        return self.view("document_positions", lambda: self.local.position_ids + torch.where(
-            self.local.seq_idx == 0, self.first_position, 0))
+    def contiguous(self) -> ShardedBoundaries:
+        """The contiguous layout's shard of the same row, group and rank (this object when it is one): what
+        an op without a path for this layout runs on after :mod:`hybrid_pack.parallel.relayout`."""
+        if self.layout == "contiguous":
+            return self
+
+        def build() -> ShardedBoundaries:
+            shard = ShardedBoundaries.from_row(self.row, group=self.group, rank=self.rank,
+                                               world_size=self.world_size)
+            return shard if shard.device == self.device else shard.to(self.device)
+
+        return self.view("contiguous", build)
+
+    def _require_contiguous(self, name: str) -> None:
+        if self.layout != "contiguous":
+            raise BoundaryError(
+                f"boundaries.{name}: describes a rank holding one contiguous piece of the row, but this shard has "
+                f"the {self.layout!r} layout (chunks {list(self.chunks)}); read boundaries.chunks and "
+                "boundaries.chunk_first_positions, or run on boundaries.contiguous() after relayouting the tokens "
+                "(hybrid_pack.parallel.relayout)")
 
     def check_group(self) -> None:
         """Raise :class:`InputError` unless this process is rank ``rank`` of a ``group`` of ``world_size``."""
@@ -147,30 +243,21 @@ class ShardedBoundaries:
                              "shard_batch(batch, group) on the process group the model runs on")
 
     # ------------------------------------------------------------ plain boundaries around an exchange
-    def extended(self, halo: int) -> PackedBoundaries:
-        """Plain boundaries of ``halo`` preceding row tokens followed by the local ones, the halo joined to the
-        first local segment (what a single-device op runs on after
+    def extended(self, halos: tuple[int, ...]) -> PackedBoundaries:
+        """Plain boundaries of ``[halo_0, chunk_0, halo_1, chunk_1, ...]``: ``halos[i]`` preceding row tokens
+        joined to chunk ``i``'s first segment (what a single-device op runs on after
         :func:`~hybrid_pack.parallel.exchange.with_preceding_tokens`)."""
-        if not halo:
+        if not any(halos):
             return self.local
 
         def build() -> PackedBoundaries:
-            local = self.local
-            lengths = list(local.segment_lengths)
-            lengths[0] += halo
-            padding_only = local.num_segments == 1 and local.num_pad_tokens > 0
-            return PackedBoundaries.from_lengths(lengths, device=local.device,
-                                                 num_pad_tokens=lengths[0] if padding_only else local.num_pad_tokens)
+            lengths: list[int] = []
+            for halo, segments in zip(halos, self.chunk_segments, strict=True):
+                lengths += [segments[0] + halo, *segments[1:]]
+            return PackedBoundaries.from_lengths(lengths, device=self.device,
+                                                 num_pad_tokens=lengths[-1] if self.local.num_pad_tokens else 0)
 
-        return self.view(("extended", halo), build)
-
-    def after_first(self) -> PackedBoundaries | None:
-        """Plain boundaries of the local segments after the first one (None when there is only one)."""
-        local = self.local
-        if local.num_segments == 1:
-            return None
-        return self.view("after_first", lambda: PackedBoundaries.from_lengths(
-            local.segment_lengths[1:], device=local.device, num_pad_tokens=local.num_pad_tokens))
+        return self.view(("extended", tuple(halos)), build)
 
     # ------------------------------------------------------------ the object itself
     def view(self, key: Hashable, build: Callable[[], View]) -> View:
@@ -197,9 +284,24 @@ class ShardedBoundaries:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        return (f"ShardedBoundaries(rank={self.rank}/{self.world_size}, offset={self.offset}, "
-                f"local={self.local!r}, continues_from_previous={self.continues_from_previous}, "
-                f"continues_into_next={self.continues_into_next})")
+        return (f"ShardedBoundaries(rank={self.rank}/{self.world_size}, layout={self.layout!r}, "
+                f"chunks={list(self.chunks)}, local={self.local!r}, "
+                f"chunk_first_positions={list(self.chunk_first_positions[self.rank])})")
+
+
+def _check_split(total: int, world_size: int, rank: int, layout: str) -> None:
+    """Raise :class:`InputError` unless ``rank`` of ``world_size`` can hold a ``layout`` part of ``total`` tokens."""
+    if layout not in LAYOUTS:
+        raise InputError(f"layout: expected one of {LAYOUTS}; got {layout!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InputError(f"rank: expected 0 <= rank < world_size ({world_size}); got {rank}")
+    parts = 2 * world_size if layout == "zigzag" else world_size
+    if total % parts:
+        what = (f"the {parts} chunks (2 x the context-parallel size {world_size}) the zigzag layout cuts it into"
+                if layout == "zigzag" else f"the context-parallel size {world_size}")
+        raise InputError(f"pack_length: the row's {total} tokens do not divide by {what}; pad rows to a multiple "
+                         f"of {parts} (PackingCollator(pad_to_multiple_of={parts}) or a pack_length divisible by "
+                         f"{parts})")
 
 
 _PACKED_ONLY = frozenset(

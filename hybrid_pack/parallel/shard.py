@@ -1,8 +1,10 @@
 """One rank's part of a packed batch whose row is split across a context-parallel group (docs/api.md §10).
 
-Token order (``layout="contiguous"``): rank ``r`` of ``R`` holds row tokens ``[r*T/R, (r+1)*T/R)``.
-Every per-token key is sliced; the boundary keys that describe the whole row (``cu_seq_lens_*``,
-``max_length_*``, ``num_pad_tokens``) are replaced by ``boundaries``, a :class:`ShardedBoundaries`.
+Token order: ``layout="contiguous"``, rank ``r`` of ``R`` holds row tokens ``[r*T/R, (r+1)*T/R)``;
+``layout="zigzag"``, the row is cut into ``2R`` chunks and rank ``r`` holds chunks ``r`` and ``2R-1-r``, in
+that order (:data:`~hybrid_pack.parallel.boundaries.LAYOUTS`). Every per-token key is sliced; the boundary
+keys that describe the whole row (``cu_seq_lens_*``, ``max_length_*``, ``num_pad_tokens``) are replaced by
+``boundaries``, a :class:`ShardedBoundaries`.
 
 The next-token loss of a rank's last token needs the first label of the next rank, so the labels are
 also shifted on the whole row before slicing (``shift_labels``: the target of position ``t`` at ``t``)
@@ -43,16 +45,17 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
         batch: the whole row, identical on every rank of ``group``: ``input_ids`` (or ``inputs_embeds``)
             ``[1, T]``, its boundary keys (or ``boundaries``), ``labels`` and any other per-token keys.
         group: the context-parallel process group (None: the world; one process without torch.distributed).
-        layout: ``"contiguous"``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (the row's length must then divide by ``2 * R``).
 
     Returns:
         A dict the models take (``model(**shard_batch(batch, group))``): every per-token tensor (shape
-        ``[1, T, ...]``) sliced to this rank's ``T / R`` tokens, ``boundaries`` (:class:`ShardedBoundaries`),
-        and with labels, ``shift_labels`` (sliced after shifting on the row) and ``num_items_in_batch``
-        (the row's target count, an int64 tensor; kept when the batch gives it).
+        ``[1, T, ...]``) sliced to this rank's ``T / R`` tokens (in its layout's order), ``boundaries``
+        (:class:`ShardedBoundaries`), and with labels, ``shift_labels`` (sliced after shifting on the row) and
+        ``num_items_in_batch`` (the row's target count, an int64 tensor; kept when the batch gives it).
 
     Raises:
-        InputError: several rows, a row length not divisible by the group's size, an unknown layout.
+        InputError: several rows, a row length not divisible by the group's size (twice it for zigzag), an
+            unknown layout.
     """
     if layout not in LAYOUTS:
         raise InputError(f"layout: expected one of {LAYOUTS}; got {layout!r}")
@@ -74,18 +77,18 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
         raise InputError("group: given, but torch.distributed is not initialised; call init_process_group first")
     else:
         rank, world_size = 0, 1
-    shard = ShardedBoundaries.from_row(row, group=group, rank=rank, world_size=world_size)
-    total, window = row.total_tokens, slice(shard.offset, shard.offset + shard.local.total_tokens)
+    shard = ShardedBoundaries.from_row(row, group=group, rank=rank, world_size=world_size, layout=layout)
+    total = row.total_tokens
 
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if _per_token(value, total):
-            out[key] = value[:, window]
+            out[key] = shard.take(value)
         elif key not in (*BOUNDARY_KEYS, BOUNDARIES):  # the row's boundary keys: replaced by the shard's
             out[key] = value
     if batch.get(LABELS) is not None:
         shifted = shift_labels(batch[LABELS], row)
-        out[SHIFT_LABELS] = shifted[:, window]
+        out[SHIFT_LABELS] = shard.take(shifted)
         if batch.get(NUM_ITEMS_IN_BATCH) is None:
             out[NUM_ITEMS_IN_BATCH] = (shifted != IGNORE_INDEX).sum()
     out[BOUNDARIES] = shard

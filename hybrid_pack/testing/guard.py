@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import Self
 
-from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UncheckedError, UnsupportedModelError
 from hybrid_pack.isolation import relative_error
@@ -479,6 +479,9 @@ def _refuse_context_parallel(boundaries: Any) -> None:
 def _boundaries(batch: Mapping[str, Any]) -> PackedBoundaries:
     given = batch.get(BOUNDARIES)
     _refuse_context_parallel(given)
+    if isinstance(given, StaticBoundaries):  # a static batch handed to compiled blocks: read here, outside a graph
+        given = PackedBoundaries.from_batch({CU_SEQ_LENS_Q: given.cu_seqlens, SEQ_IDX: given.seq_idx,
+                                             POSITION_IDS: given.position_ids})
     if given is not None:
         if not isinstance(given, PackedBoundaries):
             raise InputError(f"boundaries: expected a hybrid_pack.PackedBoundaries; got {type(given).__name__}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES
+from hybrid_pack.parallel.boundaries import LAYOUTS
 from hybrid_pack.training.reporting import REPORT_TARGETS, report_targets
 
 DEFAULT_GUARD_EVERY = 100
@@ -62,7 +63,7 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={
         "help": "optimizer steps between checkpoints; 0: only at the end"})
     resume: bool = field(default=False, metadata={
-        "help": "continue from OUT/checkpoint.pt (OUT/checkpoint/ with --fsdp)"})
+        "help": "continue from the checkpoint OUT/checkpoint/latest names"})
     guard_every: int = field(default=DEFAULT_GUARD_EVERY, metadata={
         "help": "the runtime leak guard checks the first packed micro-batch and every N-th after it against its "
                 "documents run alone; 0 turns it off (docs/guard.md)",
@@ -71,13 +72,22 @@ class TrainConfig:
         "help": "per-step metrics to TensorBoard (OUT/runs) and / or wandb, as transformers' report_to",
         "metavar": "{" + ",".join(("none", "all", *REPORT_TARGETS)) + "}"})
     fsdp: bool = field(default=False, metadata={
-        "help": "under torchrun: shard every decoder block and the root with FSDP2 (bf16 mixed precision on CUDA), "
-                "checkpoints in OUT/checkpoint/ with torch.distributed.checkpoint"})
+        "help": "under torchrun: shard every decoder block and the root with FSDP2 over all ranks (bf16 mixed "
+                "precision on CUDA), with --context-parallel too; checkpoints in OUT/checkpoint/ with "
+                "torch.distributed.checkpoint"})
     context_parallel: int = field(default=1, metadata={
         "help": "under torchrun: split each packed row across N ranks (docs/parallel.md)", "metavar": "N"})
+    cp_layout: str = field(default=LAYOUTS[0], metadata={
+        "help": "how --context-parallel splits a row: contiguous (rank r holds the r-th N-th) or zigzag (rank r "
+                "holds chunks r and 2N-1-r of 2N, every rank the same causal work; rows padded to a multiple of 2N)",
+        "choices": LAYOUTS})
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute every decoder block's forward in the backward (non-reentrant torch.utils.checkpoint): "
+                "activation memory of one block's inputs per block; with --fsdp and --context-parallel too"})
     progress: bool = field(default=True, metadata={"help": "a progress bar on rank 0"})
     compile: bool = field(default=False, metadata={
-        "help": "torch.compile the model on static batches: one graph for every row (docs/compile.md)"})
+        "help": "torch.compile the model on static batches: one graph for every row; with --fsdp, "
+                "--context-parallel or --activation-checkpointing every decoder block is compiled (docs/compile.md)"})
 
     def __post_init__(self) -> None:
         for name in ("capacity", "epochs", "grad_accum", "context_parallel"):
@@ -95,15 +105,12 @@ class TrainConfig:
                 raise InputError(f"{setting_field.name}: expected one of {', '.join(map(repr, choices))}; "
                                  f"got {value!r}")
         report_targets(self.report_to)
-        if self.fsdp and self.context_parallel > 1:
-            raise InputError("fsdp: FSDP2 together with context_parallel > 1 is not supported yet (its gradient "
-                             "reduction would average over the context-parallel ranks); use one of the two")
-        if self.compile and self.context_parallel > 1:
-            raise InputError("compile: static batches together with context_parallel > 1 are not supported yet (a "
-                             "shard's boundaries are built on the host); use one of the two")
-        if self.compile and self.fsdp:
-            raise InputError("compile: a compiled forward under FSDP2 is not tested yet (its hooks run inside the "
-                             "graph); use one of the two")
+        zigzag = self.context_parallel > 1 and self.cp_layout == "zigzag"
+        multiple = self.context_parallel * (2 if zigzag else 1)
+        if self.compile and self.capacity % multiple:  # static rows are `capacity` tokens, sharded as they are
+            raise InputError(f"capacity: with --compile every row is --capacity tokens, which must divide by "
+                             f"{multiple} (the context-parallel size{', twice for the zigzag layout' if zigzag else ''}"
+                             f"); got {self.capacity}")
         if self.data != "gsm8k" and not Path(self.data).is_file():
             raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
 

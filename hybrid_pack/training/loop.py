@@ -109,6 +109,8 @@ def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], opt
     for mb in micro_batches:
         with amp:
             out = model(**_inputs(mb, device, items))
+        # This rank's share of the step's loss; DDP and FSDP2 (over the world: the ("dp", "cp") mesh flattened)
+        # average the gradients over the ranks, so `* world` makes them the sum of the shares' gradients.
         loss = out.loss * world
         loss.backward()
         step_loss += float(loss.detach()) / world

@@ -1,15 +1,18 @@
 """``hybrid-pack train --fsdp``: the model sharded with FSDP2, checkpoints with ``torch.distributed.checkpoint``.
 
-Every decoder block and the root are sharded over all ranks (:func:`hybrid_pack.parallel.fsdp.apply_fsdp`),
-in bf16 mixed precision where the device has it (CUDA; on CPU the run stays float32). A checkpoint is a
-directory: the sharded model and optimizer states written by every rank through DCP (``get_state_dict`` /
-``set_state_dict``), and each rank's run state (schedule, its sampler
-position, the stats, its random state) in ``rank<r>.pt``. A resumed run continues exactly where it stopped.
+Every decoder block and the root are sharded over all ranks (:func:`hybrid_pack.parallel.parallelize`),
+in bf16 mixed precision where the device has it (CUDA; on CPU the run stays float32). A checkpoint is a step
+folder (``OUT/checkpoint/step-N/``, laid out and committed as :mod:`hybrid_pack.training.checkpoint` describes):
+the sharded model and optimizer states written by every rank through DCP (``get_state_dict`` /
+``set_state_dict``), and each rank's run state (schedule, its sampler position, the stats, its random state) in
+``rank<r>.pt``. Nothing in it is unpickled beyond tensors, plain values and DCP's own records. A resumed run
+continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
-import shutil
+import io
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,40 +20,60 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hybrid_pack.distributed import agree_max
+from hybrid_pack.distributed import gather_rows
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.parallel.fsdp import apply_fsdp, mixed_precision
-from hybrid_pack.training.checkpoint import CheckpointSaver, restore_run_state, run_state
+from hybrid_pack.parallel.fsdp import mixed_precision
+from hybrid_pack.parallel.parallelize import parallelize
+from hybrid_pack.training.checkpoint import (
+    CheckpointSaver,
+    agreed_checkpoint,
+    commit_checkpoint,
+    read_state,
+    refusal_reason,
+    restore_run_state,
+    run_state,
+    save_state,
+    staging_folder,
+    start_checkpoint,
+)
 from hybrid_pack.training.stats import RunStats
 
-__all__ = ["SHARDED_CHECKPOINT", "ShardedCheckpointSaver", "load_sharded_checkpoint", "parameters_checksum",
+__all__ = ["ShardedCheckpointSaver", "load_sharded_checkpoint", "parameters_checksum", "read_dcp", "read_dcp_metadata",
            "save_sharded_checkpoint", "shard_model", "unsharded_model"]
 
-SHARDED_CHECKPOINT = "checkpoint"
-"""The checkpoint directory in the run directory."""
 
-
-def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> dict[str, str]:
-    """Shard ``model`` in place with FSDP2 over the ``world`` ranks; returns what ``metrics.json`` records of it:
-    the compute ``dtype`` and the ``mixed_precision`` applied (none on CPU)."""
+def shard_model(model: torch.nn.Module, device: torch.device, world: int, *, mesh: DeviceMesh | None = None,
+                activation_checkpointing: bool = False, compile: bool = False) -> dict[str, str]:
+    """Shard ``model`` in place with FSDP2 over the ``world`` ranks (``mesh``, the run's ``("dp", "cp")`` mesh,
+    flattened; None: the world), after wrapping its blocks for activation checkpointing and compiling them if
+    asked (:func:`hybrid_pack.parallel.parallelize`); returns what ``metrics.json`` records of it: the compute
+    ``dtype``, the ``mixed_precision`` applied (none on CPU) and the ``mesh`` sharded over."""
     if world < 2 or not dist.is_initialized():
         raise InputError("fsdp: shards the model across the ranks of a torchrun launch; run "
                          "`torchrun --nproc_per_node N -m hybrid_pack.cli train --fsdp ...` (N >= 2)")
     policy = mixed_precision(device)
-    apply_fsdp(model, init_device_mesh(device.type, (world,)), mp_policy=policy)
+    parallelize(model, mesh=mesh, fsdp=True, activation_checkpointing=activation_checkpointing, compile=compile,
+                mp_policy=policy)
+    sharded_over = f"{world} ranks" + ("" if mesh is None else f" (the {'x'.join(mesh.mesh_dim_names)} mesh "
+                                                                f"{tuple(mesh.shape)} flattened)")
     if policy is None:
-        return {"dtype": "float32", "mixed_precision": f"none: {device.type} has no bf16 FSDP2 mixed precision here"}
-    return {"dtype": "bfloat16", "mixed_precision": "bf16 parameters and compute, float32 gradient reduction"}
+        return {"dtype": "float32", "mixed_precision": f"none: {device.type} has no bf16 FSDP2 mixed precision here",
+                "mesh": sharded_over}
+    return {"dtype": "bfloat16", "mixed_precision": "bf16 parameters and compute, float32 gradient reduction",
+            "mesh": sharded_over}
 
 
 def unsharded_model(model: torch.nn.Module, build: Callable[[], torch.nn.Module], rank: int
@@ -78,36 +101,133 @@ def parameters_checksum(model: torch.nn.Module) -> float:
     return float(total)
 
 
-def save_sharded_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+def save_sharded_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                             sampler: PackedBatchSampler, step: int, stats: RunStats) -> None:
-    """Every rank writes its shards and run state to ``path.tmp``, then rank 0 renames it to ``path``."""
-    tmp = path.with_suffix(".tmp")
+    """Every rank writes its shards and run state to ``root/step-N.tmp/``; then rank 0 renames it to ``step-N/``
+    and points ``latest`` at it (:func:`~hybrid_pack.training.checkpoint.commit_checkpoint`). A collective."""
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        start_checkpoint(root, step)
     dist.barrier()
+    staging = staging_folder(root, step)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
-    torch.save(run_state(scheduler, sampler, step, stats), tmp / f"rank{rank}.pt")
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
+    save_state(staging / f"rank{rank}.pt", run_state(scheduler, sampler, step, stats))
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        commit_checkpoint(root, step)
     dist.barrier()
 
 
-def load_sharded_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+def load_sharded_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                             sampler: PackedBatchSampler) -> tuple[int, RunStats]:
-    """Restore a checkpoint :func:`save_sharded_checkpoint` wrote; return the step to continue from and the stats."""
-    run_file = path / f"rank{dist.get_rank()}.pt"
-    if agree_max([float(not run_file.is_file())])[0]:  # every rank raises, or none: the others would wait in load
-        raise InputError(f"resume: no sharded checkpoint for every rank at {path} (rank<r>.pt); train with --fsdp "
-                         "without --resume first, on as many ranks")
+    """Restore the checkpoint ``latest`` names under ``root`` (every rank the one rank 0 chose), every file read
+    as tensors and plain values only; return the step to continue from and the stats. A collective."""
+    folder = agreed_checkpoint(root)
+    rank = dist.get_rank()
+    run_file = folder / f"rank{rank}.pt"
+    try:  # every rank raises, or none: the others would wait in dcp.load
+        if not run_file.is_file():
+            raise InputError(f"resume: {folder} holds no run state for rank {rank} ({run_file.name}); resume with "
+                             "--fsdp on as many ranks as the run that wrote it")
+        run = read_state(run_file)
+        read_dcp_metadata(folder)
+    except InputError as err:
+        refused = err
+    else:
+        refused = None
+    failed = [r for r, (flag,) in enumerate(gather_rows([float(refused is not None)])) if flag]
+    if refused is not None:
+        raise refused
+    if failed:
+        raise InputError(f"resume: the checkpoint {folder} was refused on rank(s) {failed} (their errors say why)")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
+    read_dcp(state, folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return restore_run_state(torch.load(run_file, weights_only=False), scheduler, sampler)
+    return restore_run_state(run, scheduler, sampler)
+
+
+# ---------------------------------------------------------------------- DCP's files, tensors and plain values only
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
+        "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+"""What DCP's ``.metadata`` pickle may name besides torch's dtypes: its own records, sizes, layouts and paths."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``, refusing every global outside :data:`_METADATA_GLOBALS` and torch's dtypes
+    (what a planted payload would call)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not dtype and (module, name) not in _METADATA_GLOBALS:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(folder: Path) -> Metadata:
+    """The ``.metadata`` of the DCP checkpoint in ``folder``, unpickled by :class:`_MetadataUnpickler`.
+
+    Raises:
+        InputError: it names anything but DCP's records (it is not run), or is missing or unreadable.
+    """
+    path = folder / ".metadata"
+    try:
+        with open(path, "rb") as file:
+            return _MetadataUnpickler(file).load()
+    except pickle.UnpicklingError as err:
+        raise InputError(f"resume: {path} names objects other than DCP's records ({err}); it was refused, not "
+                         "loaded. Resume from a checkpoint you wrote, or train without --resume") from None
+    except (OSError, EOFError) as err:
+        raise InputError(f"resume: {path} cannot be read ({err}); resume from another checkpoint or train "
+                         "without --resume") from None
+
+
+def read_dcp(state: dict[str, Any], folder: Path) -> None:
+    """``dcp.load`` of the checkpoint in ``folder`` into ``state`` (in place), its metadata and non-tensor values
+    read as tensors, plain values and DCP's records only. A collective under a process group.
+
+    Raises:
+        InputError: on every rank, when a rank found a value holding anything else (it is not run).
+    """
+    try:
+        dcp.load(state, storage_reader=_PlainFileSystemReader(folder), planner=_PlainLoadPlanner())
+    except CheckpointException as err:  # DCP gathers every rank's failures, so every rank sees the refusal
+        refusals = [failure for failure, _ in err.failures.values() if isinstance(failure, InputError)]
+        if refusals:
+            raise refusals[0] from None
+        raise
+
+
+class _PlainFileSystemReader(FileSystemReader):
+    """DCP's file reader, its ``.metadata`` read by :func:`read_dcp_metadata` instead of ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(Path(self.path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _PlainLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, each non-tensor value (an optimizer setting) first loaded with ``weights_only=True``:
+    a value holding anything else is refused before DCP's own ``torch.load(..., weights_only=False)`` sees it."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise InputError(f"resume: the checkpoint value {read_item.dest_index.fqn} holds objects other than "
+                             f"tensors and plain values; it was refused, not loaded ({refusal_reason(err)})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 class ShardedCheckpointSaver(CheckpointSaver):

@@ -15,7 +15,10 @@ class RunStats:
         seconds: time in optimizer steps; ``warmup_seconds`` / ``warmup_tokens``: the first step's share.
         groups: example indices of every packed row, in order.
         peak_memory_bytes: the most CUDA memory allocated during the pass (0 off CUDA).
-        compiles: graphs ``torch.compile`` compiled during the pass (``--compile``; 1 is the goal).
+        compiles: graphs ``torch.compile`` compiled during the pass (``--compile``: 1 for the whole model; with the
+            blocks compiled one by one, one per block kind and graph break).
+        recompiles: graphs compiled after the pass's first step (``--compile``; 0 is the goal: every later row,
+            whatever its documents, runs the first step's graphs).
     """
 
     losses: list[float] = field(default_factory=list)
@@ -27,6 +30,7 @@ class RunStats:
     groups: list[list[int]] = field(default_factory=list)
     peak_memory_bytes: int = 0
     compiles: int = 0
+    recompiles: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -30,11 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.distributed import agree_max, end_process_group
+from hybrid_pack.distributed import agree_max, end_process_group, gather_rows
 from hybrid_pack.errors import InputError, IsolationError
 from hybrid_pack.ops.dispatch.verdicts import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.parallel.mesh import CP, DP, context_parallel_mesh
+from hybrid_pack.parallel.parallelize import parallelize
 from hybrid_pack.parallel.shard import shard_batch
 from hybrid_pack.schema import (
     BOUNDARIES,
@@ -56,7 +57,6 @@ from hybrid_pack.training.loop import REAL_TOKENS, MicroBatch, build_optimizer, 
 from hybrid_pack.training.plots import plot_loss, plot_pack_fill
 from hybrid_pack.training.reporting import Reporter, report_targets
 from hybrid_pack.training.sharded import (
-    SHARDED_CHECKPOINT,
     ShardedCheckpointSaver,
     load_sharded_checkpoint,
     parameters_checksum,
@@ -125,19 +125,29 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     metrics = _run_metrics(cfg, proc, data)
     if cfg.isolation_check:
         _check_isolation_first(model, cfg, proc, metrics)
+    # Compiled with FSDP2, context parallelism or activation checkpointing, the blocks are compiled one by one
+    # (FSDP2's hooks and a shard's exchanges stay between the graphs); otherwise the whole model is one graph.
+    compile_blocks = cfg.compile and (cfg.fsdp or cfg.context_parallel > 1 or cfg.activation_checkpointing)
     if cfg.fsdp:  # FSDP2's mixed-precision policy casts, not autocast
-        metrics["fsdp"] = shard_model(model, proc.device, proc.world)
+        metrics["fsdp"] = shard_model(model, proc.device, proc.world, mesh=proc.mesh,
+                                      activation_checkpointing=cfg.activation_checkpointing, compile=compile_blocks)
         metrics["dtype"] = metrics["fsdp"]["dtype"]
         proc = replace(proc, autocast=None)
+    elif cfg.activation_checkpointing or compile_blocks:
+        parallelize(model, mesh=proc.mesh, activation_checkpointing=cfg.activation_checkpointing,
+                    compile=compile_blocks)
+    metrics["activation_checkpointing"] = cfg.activation_checkpointing
     lengths = [len(f[INPUT_IDS]) for f in features]
     replica, replicas = proc.replica
     sampler = PackedBatchSampler(lengths, cfg.capacity, num_replicas=replicas, rank=replica, seed=cfg.seed)
     if cfg.compile:  # the static shape (docs/api.md §9): every row `capacity` tokens, the fullest pack's documents
         metrics.update(pack_length=cfg.capacity, max_documents=int(sampler.plan.pack_num_documents.max()))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.compare_padded else None
-    # Compiled, the packed run goes through the compiled module; the guard hooks that module, so its checks run
+    # Compiled whole, the packed run goes through the compiled module; the guard hooks that module, so its checks run
     # outside the graph, and the padded comparison (other shapes) runs the model itself, eagerly.
-    packed_model = torch.compile(model) if cfg.compile else model
+    packed_model = torch.compile(model) if cfg.compile and not compile_blocks else model
+    if cfg.compile:
+        metrics["compiled"] = "every decoder block" if compile_blocks else "the whole model"
     guarded = cfg.guard_every and proc.mesh is None  # the guard checks whole rows, not context-parallel shards
     if cfg.guard_every and not guarded:
         metrics["guard_off"] = ("context-parallel shards: the guard checks whole rows; prove isolation with "
@@ -157,7 +167,7 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     if proc.rank == 0:
         metrics.update(save_trained_model(exported, data.remap, proc.out / MODEL_DIR, TOKENIZER_VOCAB))
     if cfg.compile:
-        metrics["compiles"] = stats.compiles
+        metrics["compiles"], metrics["recompiles"] = stats.compiles, stats.recompiles
     padded_stats = None
     if cfg.compare_padded:
         padded_stats = compare_padded(model, initial_state, features, stats, cfg, proc.device, proc.autocast, metrics)
@@ -258,25 +268,30 @@ def _train_packed(model: torch.nn.Module, packed_model: torch.nn.Module, feature
     optimizer, scheduler = build_optimizer(trained, cfg, total_steps)
     start_step, stats = 0, RunStats()
     if cfg.resume and cfg.fsdp:
-        start_step, stats = load_sharded_checkpoint(proc.out / SHARDED_CHECKPOINT, model, optimizer, scheduler,
+        start_step, stats = load_sharded_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler,
                                                     sampler)
     elif cfg.resume:
         start_step, stats = load_checkpoint(proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, proc.device)
     saver = (ShardedCheckpointSaver if cfg.fsdp else CheckpointSaver)(
-        proc.out / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT), model, optimizer, scheduler, sampler, stats,
+        proc.out / CHECKPOINT, model, optimizer, scheduler, sampler, stats,
         every=cfg.checkpoint_every, last_step=total_steps, rank=proc.rank)
     reporter = _start_reporter(cfg, proc)
 
+    graphs_before = counters["stats"]["unique_graphs"]
+    graphs_after_first_step = graphs_before
+
     def after_step(step: int) -> None:
+        nonlocal graphs_after_first_step
+        if step == start_step + 1:
+            graphs_after_first_step = counters["stats"]["unique_graphs"]
         saver(step)
         reporter.log(step, {"train/loss": stats.losses[-1], "train/learning_rate": scheduler.get_last_lr()[0],
                             "train/tokens_per_second": stats.tokens_per_second})
 
     collator = (PackingCollator(pack_length=cfg.capacity, max_documents=max_documents) if max_documents
-                else PackingCollator(pad_to_multiple_of=cfg.context_parallel))
+                else PackingCollator(pad_to_multiple_of=_row_multiple(cfg)))
     steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator, proc.cp_group,
-                         cfg.context_parallel)
-    graphs_before = counters["stats"]["unique_graphs"]
+                         cfg.context_parallel, cfg.cp_layout)
     try:
         return train_pass(trained, steps, total_steps=total_steps, cfg=cfg, device=proc.device,
                           autocast=proc.autocast, world=proc.world, describe="packed", optimizer=optimizer,
@@ -285,6 +300,7 @@ def _train_packed(model: torch.nn.Module, packed_model: torch.nn.Module, feature
         reporter.close()
         if max_documents:
             stats.compiles = counters["stats"]["unique_graphs"] - graphs_before
+            stats.recompiles = counters["stats"]["unique_graphs"] - graphs_after_first_step
 
 
 def _start_reporter(cfg: TrainConfig, proc: _Process) -> Reporter:
@@ -302,21 +318,32 @@ def _start_reporter(cfg: TrainConfig, proc: _Process) -> Reporter:
     return reporter
 
 
+def _row_multiple(cfg: TrainConfig) -> int:
+    """What a row's length must divide by: the context-parallel size, twice it under the zigzag layout (each rank
+    holds two of ``2 * N`` chunks)."""
+    return cfg.context_parallel * (2 if cfg.context_parallel > 1 and cfg.cp_layout == "zigzag" else 1)
+
+
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],
                     cfg: TrainConfig, proc: _Process) -> dict[str, Any]:
-    """Throughput (every rank's tokens over the slowest rank's time), packing, losses and a parameter checksum."""
-    tokens_per_second = stats.tokens_per_second
-    if proc.world > 1:
-        tokens, seconds = (torch.tensor([float(v)]) for v in (stats.real_tokens - stats.warmup_tokens,
-                                                               stats.seconds - stats.warmup_seconds))
-        dist.all_reduce(tokens)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        tokens_per_second = float(tokens / seconds) if float(seconds) > 0 else 0.0
+    """What the steps trained, summed over the data-parallel replicas (every row once, whatever its split into
+    context-parallel shards): packs, documents and real tokens; throughput (those tokens over the slowest rank's
+    time); packing, losses and a parameter checksum."""
+    trained = [float(len(stats.groups)), float(sum(len(group) for group in stats.groups)), float(stats.real_tokens),
+               float(stats.real_tokens - stats.warmup_tokens)]
+    seconds = stats.seconds - stats.warmup_seconds
+    if proc.world > 1:  # every rank of a context-parallel group trained the same rows: count them once
+        trained = [sum(column) / cfg.context_parallel for column in zip(*gather_rows(trained))]
+        seconds = agree_max([seconds])[0]
+    packs, documents, real_tokens, timed_tokens = (round(v) for v in trained)
+    if timed_tokens <= 0 or seconds <= 0:
+        timed_tokens, seconds = real_tokens, (agree_max([stats.seconds])[0] if proc.world > 1 else stats.seconds)
     fills = _pack_fills(stats, lengths, cfg.capacity)
     return {
         "parameters_checksum": parameters_checksum(model),
-        "steps": len(stats.losses), "packs": len(stats.groups), "real_tokens": stats.real_tokens,
-        "tokens_per_second": tokens_per_second, "packing_efficiency": sampler.plan.efficiency,
+        "steps": len(stats.losses), "packs": packs, "documents_trained": documents, "real_tokens": real_tokens,
+        "tokens_per_second": timed_tokens / seconds if seconds > 0 else 0.0,
+        "packing_efficiency": sampler.plan.efficiency,
         "packs_lower_bound": sampler.plan.lower_bound, "packs_per_epoch": sampler.num_packs,
         "mean_pack_fill": sum(fills) / max(1, len(fills)),
         "final_loss": stats.losses[-1] if stats.losses else None,
@@ -353,14 +380,15 @@ def _write_metrics(proc: _Process, metrics: dict[str, Any], guard: PackingGuard 
 class _PackedSteps:
     """Optimizer steps of packed micro-batches drawn from the sampler (what a ``DataLoader`` with
     ``batch_sampler=sampler`` and no workers yields), recording each micro-batch's example indices. With
-    context parallelism each row is padded to a multiple of the group's size and this rank gets its shard."""
+    context parallelism each row is padded to a multiple of the group's size (twice it under the zigzag layout)
+    and this rank gets its shard in ``layout``; its ``real_tokens`` are the whole row's."""
 
     def __init__(self, features: Sequence[dict[str, Any]], sampler: PackedBatchSampler, grad_accum: int,
                  epochs: int, groups: list[list[int]], collator: PackingCollator, cp_group: Any = None,
-                 context_parallel: int = 1) -> None:
+                 context_parallel: int = 1, layout: str = "contiguous") -> None:
         self.features, self.sampler, self.grad_accum, self.epochs, self.groups, self.collator = (
             features, sampler, grad_accum, epochs, groups, collator)
-        self.cp_group, self.context_parallel = cp_group, context_parallel
+        self.cp_group, self.context_parallel, self.layout = cp_group, context_parallel, layout
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
         collator = self.collator
@@ -378,14 +406,15 @@ class _PackedSteps:
                 yield micro
 
     def _micro_batch(self, batch: dict[str, Any]) -> MicroBatch:
-        if self.collator.max_documents:  # static: the boundary tensors (a compiled graph reads no host values)
+        if self.collator.max_documents and self.context_parallel == 1:  # static: the boundary tensors (a compiled
+            # graph reads no host values); under context parallelism a static row is sharded like any
             return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
                     **{key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS)},
                     REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch[NUM_PAD_TOKENS])}
         if self.context_parallel == 1:
             return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], BOUNDARIES: PackedBoundaries.from_batch(batch),
                     REAL_TOKENS: batch[INPUT_IDS].shape[1] - batch.get(NUM_PAD_TOKENS, 0)}
-        shard = shard_batch(batch, self.cp_group)
-        boundaries = shard[BOUNDARIES]
+        shard = shard_batch(batch, self.cp_group, layout=self.layout)
+        row = shard[BOUNDARIES].row  # every rank of the group counts the whole row: it trained it, with the others
         return {INPUT_IDS: shard[INPUT_IDS], LABELS: shard[LABELS], SHIFT_LABELS: shard[SHIFT_LABELS],
-                BOUNDARIES: boundaries, REAL_TOKENS: boundaries.local.total_tokens - boundaries.local.num_pad_tokens}
+                BOUNDARIES: shard[BOUNDARIES], REAL_TOKENS: row.total_tokens - row.num_pad_tokens}

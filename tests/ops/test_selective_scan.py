@@ -1,7 +1,7 @@
 """The Mamba-1 selective scan (:mod:`hybrid_pack.ops.selective_scan`): the packed scan equals a token-by-token
 recurrence run on each document alone; the static chunked scan equals the packed one for every chunk size,
 forward and backward, keeps non-finite values and gradients inside their segment, and compiles to one graph
-for every layout of the same (T, S); a row split across context-parallel ranks is refused.
+for every layout of the same (T, S). A row split across ranks: tests/parallel/test_cp_selective_scan.py.
 
 Every layout holds T = 40 tokens in S = 7 slots (6 documents at most, then the padding slot).
 """
@@ -17,9 +17,7 @@ import torch.nn.functional as F
 
 from hybrid_pack import PackedBoundaries
 from hybrid_pack.boundaries import StaticBoundaries
-from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.ops.selective_scan import selective_scan, torch_backend, torch_static
-from hybrid_pack.parallel import ShardedBoundaries
 from tests import kit
 from tests.kit import Layout
 
@@ -187,13 +185,3 @@ def test_one_graph_for_every_layout(backend: str, layouts: list[str]) -> None:
             assert_all_close(forward_backward(compiled, args, on_static(boundaries)), want, tol=1e-5,
                              what=f"{backend}, {layout}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-
-
-def test_a_row_split_across_ranks_is_refused() -> None:
-    """No context-parallel state passing yet: a ShardedBoundaries raises, naming the fix, instead of treating each
-    rank's pieces of documents as documents."""
-    row = LAYOUTS["long_beside_short"].boundaries()
-    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2)
-    args = {name: value[:, :20] if value.dim() == 3 else value for name, value in inputs(row).items()}
-    with pytest.raises(UnsupportedModelError, match="without context parallelism"):
-        selective_scan(**args, boundaries=shard)

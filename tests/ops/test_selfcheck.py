@@ -252,7 +252,7 @@ def test_compiled_caller_gets_a_correct_result() -> None:
 def test_verify_checks_every_backend_now_and_reports_failures() -> None:
     register_planted("ssd", "gradient_leak")
     results = {(r.op, r.backend): r for r in backends.verify(device="cpu")}
-    assert {op for op, _ in results} == set(OPS)
+    assert {op for op, _ in results} >= set(OPS)
     for op in OPS:
         assert results[(op, "torch")].ok, results[(op, "torch")].reason
     planted = results[("ssd", PLANTED)]

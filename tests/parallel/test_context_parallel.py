@@ -1,11 +1,13 @@
 """Context parallelism (docs/parallel.md): a row split across 2 and 4 gloo processes equals the row on one.
 
-Each torchrun launch runs a group of cases (tests/workers/dist_context_parallel.py) and reports one
-verdict per case; the tests below read them. ``ops``: conv and attention outputs and every input's
-gradient on adversarial layouts, and exactly zero gradient across documents. ``models``: an attention
-model's logits slice, summed loss and summed gradients. ``presets``: the same for both native presets
-(they need every op's context-parallel path, Gated DeltaNet and SSD included). ``errors``: bad input.
-The in-process tests check the exchange plans and the label shift on the host.
+One torchrun launch per group size runs every case (tests/workers/dist_context_parallel.py), each under
+both layouts (contiguous and zigzag), and reports one verdict per case; the tests below read them.
+``ops``: conv, attention, Gated DeltaNet and SSD outputs and every input's gradient on adversarial layouts,
+and exactly zero gradient across documents. ``models``: an attention model's and a patched LFM2's logits
+slice, summed loss and summed gradients. ``presets``: the same for both native presets (they need every
+op's context-parallel path, Gated DeltaNet and SSD included) and patched Qwen3-Next and Bamba.
+``errors``: bad input. The in-process tests check the exchange plans (by running them on row positions),
+the layouts' chunks and positions, and the label shift on the host.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
 from hybrid_pack.errors import BoundaryError, InputError, UnsupportedModelError
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
-from hybrid_pack.parallel.exchange import halo_plan
+from hybrid_pack.parallel.boundaries import LAYOUTS
+from hybrid_pack.parallel.exchange import TokenExchange, halo_plan
+from hybrid_pack.parallel.relayout import relayout_plan
 from hybrid_pack.schema import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from tests.workers import dist_context_parallel as worker
 from tests.workers.launch import torchrun
@@ -29,53 +33,162 @@ WORKER = Path(worker.__file__)
 WORLDS = (2, 4)
 
 
-def _verdicts(tmp_path_factory: pytest.TempPathFactory, world: int, groups: tuple[str, ...]) -> dict[str, str]:
-    out = tmp_path_factory.mktemp(f"cp{world}") / "verdicts.json"
-    torchrun(WORKER, str(out), *groups, processes=world)
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"{world}ranks")
-def verdicts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return _verdicts(tmp_path_factory, request.param, ("ops", "models", "errors"))
-
-
 @pytest.fixture(scope="module")
-def preset_verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return _verdicts(tmp_path_factory, 2, ("presets",))
+def verdicts(tmp_path_factory: pytest.TempPathFactory):
+    """``verdicts(world)``: every case's verdict of the one launch on ``world`` ranks (run on first use)."""
+    launched: dict[int, dict[str, str]] = {}
 
+    def of(world: int) -> dict[str, str]:
+        if world not in launched:
+            out = tmp_path_factory.mktemp(f"cp{world}") / "verdicts.json"
+            torchrun(WORKER, str(out), processes=world, timeout=600)
+            launched[world] = json.loads(out.read_text())
+        return launched[world]
 
-def _cases(group: str) -> list[str]:
-    return list(worker.cases(2)[group])
+    return of
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", _cases("ops") + _cases("models") + _cases("errors"))
-def test_sharded_equals_unsharded(verdicts, case):
-    assert verdicts[case] == "ok", verdicts[case]
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", _cases("presets"))
-def test_presets_sharded_equal_unsharded(preset_verdicts, case):
-    assert preset_verdicts[case] == "ok", preset_verdicts[case]
+@pytest.mark.parametrize(("world", "case"), [(world, case) for world in WORLDS
+                                             for cases in worker.cases(world).values() for case in cases],
+                         ids=lambda value: f"{value}ranks" if isinstance(value, int) else value)
+def test_sharded_equals_unsharded(verdicts, world, case):
+    verdict = verdicts(world)[case]
+    assert verdict == "ok", verdict
 
 
 # ---------------------------------------------------------------- on the host
-@pytest.mark.parametrize("world", [2, 3, 4])
+def _run_on_positions(plans: list[TokenExchange], holdings: list[np.ndarray]) -> list[np.ndarray]:
+    """Every rank's output of one planned exchange, on the host: each rank holds its tokens' row positions."""
+    messages = {(plan.rank, peer): np.concatenate([holdings[plan.rank][start:stop] for start, stop in ranges])
+                for plan in plans for peer, ranges in plan.outgoing()}
+    outputs = []
+    for plan in plans:
+        for peer, count in plan.receives:
+            assert len(messages[(peer, plan.rank)]) == count, f"rank {peer} sends rank {plan.rank} another count"
+        sources = {peer: messages[(peer, plan.rank)] for peer, _ in plan.receives} | {plan.rank: holdings[plan.rank]}
+        outputs.append(np.concatenate([sources[source][start:stop] for source, start, stop in plan.pieces]))
+    assert len(messages) == sum(len(plan.receives) for plan in plans), "a message nobody receives"
+    return outputs
+
+
+def _positions(shard: ShardedBoundaries, rank: int) -> np.ndarray:
+    return np.concatenate([np.arange(start, start + length) for start, length in shard.chunks_of(rank)])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("limit", [3, None])
-def test_halo_plans_agree_between_senders_and_receivers(world, limit):
-    row = PackedBoundaries.from_document_lengths([1, 2, 6 * world - 10, 1, 1, 3], num_pad_tokens=2)
-    shards = [ShardedBoundaries.from_row(row, group=None, rank=r, world_size=world) for r in range(world)]
+def test_halo_plans_deliver_each_chunk_its_preceding_document_tokens(layout, world, limit):
+    """Run every rank's planned halo exchange on row positions: each rank gets exactly ``[halo, chunk]`` for
+    each chunk, the halo the last ``min(limit, first position)`` row tokens before it; senders and receivers
+    agree on every message."""
+    row = PackedBoundaries.from_document_lengths([1, 2, 6 * world - 10 if world > 1 else 4, 1, 1, 3],
+                                                 num_pad_tokens=2)
+    shards = [ShardedBoundaries.from_row(row, group=None, rank=r, world_size=world, layout=layout)
+              for r in range(world)]
     plans = [halo_plan(shard, limit) for shard in shards]
-    for receiver, (shard, plan) in enumerate(zip(shards, plans)):
-        need = shard.first_position if limit is None else min(limit, shard.first_position)
-        assert plan.halo_tokens == need
-        for sender, count in plan.receives:
-            sent = [stop - start for peer, start, stop in plans[sender].sends if peer == receiver]
-            assert sent == [count]
-    sends = sum(len(plan.sends) for plan in plans)
-    assert sends == sum(len(plan.receives) for plan in plans)
+    outputs = _run_on_positions([plan.exchange for plan in plans], [_positions(shard, r) for r, shard in
+                                                                    enumerate(shards)])
+    starts = np.asarray(row.starts)
+    for shard, plan, output in zip(shards, plans, outputs, strict=True):
+        expected = []
+        for (start, length), halo in zip(shard.chunks, plan.halos, strict=True):
+            document_start = starts[starts <= start].max()
+            assert halo == (start - document_start if limit is None else min(limit, start - document_start))
+            expected.append(np.arange(start - halo, start + length))
+        np.testing.assert_array_equal(output, np.concatenate(expected))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def testrelayout_plans_move_every_token_to_its_contiguous_rank_and_back(world):
+    row = PackedBoundaries.from_document_lengths([5, 6 * world - 5], num_pad_tokens=6 * world)
+    shards = [ShardedBoundaries.from_row(row, group=None, rank=r, world_size=world, layout="zigzag")
+              for r in range(world)]
+    zigzag = [_positions(shard, r) for r, shard in enumerate(shards)]
+    contiguous = _run_on_positions([relayout_plan(shard, "zigzag", "contiguous") for shard in shards], zigzag)
+    per_rank = row.total_tokens // world
+    for r, positions in enumerate(contiguous):
+        np.testing.assert_array_equal(positions, np.arange(r * per_rank, (r + 1) * per_rank))
+    back = _run_on_positions([relayout_plan(shard, "contiguous", "zigzag") for shard in shards], contiguous)
+    for got, want in zip(back, zigzag, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_zigzag_chunks_segments_and_document_positions():
+    """16 tokens on 2 ranks: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2. Documents of 5,
+    9 and 2 tokens: rank 0's late chunk continues the 9-token document, rank 1's chunks cut it in two."""
+    row = PackedBoundaries.from_document_lengths([5, 9, 2])
+    first, second = (ShardedBoundaries.from_row(row, group=None, rank=r, world_size=2, layout="zigzag")
+                     for r in range(2))
+    assert (first.chunks, second.chunks) == (((0, 4), (12, 4)), ((4, 4), (8, 4)))
+    assert (first.offset, second.offset) == (0, 4)
+    assert first.chunk_segments == ((4,), (2, 2)) and second.chunk_segments == ((1, 3), (4,))
+    assert first.chunk_first_positions == ((0, 7), (4, 3))
+    assert first.document_positions.tolist() == [[0, 1, 2, 3, 7, 8, 0, 1]]
+    assert second.document_positions.tolist() == [[4, 0, 1, 2, 3, 4, 5, 6]]
+    tokens = torch.arange(16)[None]
+    assert first.take(tokens).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_document_positions_are_the_rows_at_every_local_token(world, layout):
+    row = PackedBoundaries.from_document_lengths([3, 16 * world - 9, 1, 2], num_pad_tokens=3)
+    for rank in range(world):
+        shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world, layout=layout)
+        assert torch.equal(shard.document_positions, shard.take(row.position_ids))
+        assert sum(shard.chunk_segments, ()) == shard.local.segment_lengths
+
+
+def test_zigzag_padding_in_an_early_chunk_is_a_plain_segment():
+    """Padding reaching a rank's first chunk: that piece is a segment there; its last chunk's is the padding."""
+    row = PackedBoundaries.from_document_lengths([3, 1], num_pad_tokens=8)  # 12 tokens, chunks of 3 on 2 ranks
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2, layout="zigzag")
+    assert shard.chunks == ((3, 3), (6, 3))
+    assert shard.local.segment_lengths == (1, 2, 3) and shard.local.num_pad_tokens == 3
+    assert shard.chunk_first_positions[1] == (0, 2)
+
+
+def test_zigzag_needs_a_row_divisible_by_twice_the_group():
+    row = PackedBoundaries.from_document_lengths([5, 7])
+    ShardedBoundaries.from_row(row, group=None, rank=0, world_size=4)  # 12 tokens divide by 4
+    with pytest.raises(InputError, match=r"^pack_length: .*do not divide by the 8 chunks .*pad_to_multiple_of=8"):
+        ShardedBoundaries.from_row(row, group=None, rank=0, world_size=4, layout="zigzag")
+    with pytest.raises(InputError, match="^layout: expected one of"):
+        ShardedBoundaries.from_row(row, group=None, rank=0, world_size=4, layout="ring")
+
+
+def test_contiguous_edges_raise_under_zigzag_and_its_contiguous_shard_has_them():
+    row = PackedBoundaries.from_document_lengths([5, 7, 4])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2, layout="zigzag")
+    for name in ("first_positions", "first_position", "continues_from_previous", "continues_into_next",
+                 "first_segment"):
+        with pytest.raises(BoundaryError, match=rf"^boundaries\.{name}: .*'zigzag' layout .*contiguous\(\)"):
+            getattr(shard, name)
+    contiguous = shard.contiguous()
+    assert contiguous is shard.contiguous() and contiguous.contiguous() is contiguous
+    assert (contiguous.layout, contiguous.offset, contiguous.first_position) == ("contiguous", 8, 3)
+
+
+@pytest.mark.parametrize(("op", "states"), [("gated_delta", "initial_state"), ("gated_delta", "output_final_state"),
+                                            ("ssd", "initial_states"), ("ssd", "return_final_states")])
+def test_per_document_states_are_refused_under_zigzag(op, states):
+    """A rank's documents under zigzag are not the contiguous shard's the recurrent ops run on: raised before any
+    exchange (one process here), naming the argument and the layout to use."""
+    from tests.kit import gated_delta_signature, op_inputs, public_op, ssd_signature
+
+    row = PackedBoundaries.from_document_lengths([3, 5])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=1, layout="zigzag")
+    flags = {states: True, "output_final_state" if op == "gated_delta" else "return_final_states": states.endswith(
+        ("final_state", "final_states"))}
+    signature = (gated_delta_signature(initial_state=flags.get("initial_state", False),
+                                       output_final_state=flags["output_final_state"]) if op == "gated_delta" else
+                 ssd_signature(initial_states=flags.get("initial_states", False),
+                               return_final_states=flags["return_final_states"]))
+    case = op_inputs(op, signature, shard.local)  # one state per local segment: what the op's checks count
+    with pytest.raises(InputError, match=rf"^{states}: per-document states .*layout='contiguous'"):
+        case.call(public_op(op), shard)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -122,8 +235,16 @@ def test_sharded_boundaries_built_by_hand_must_be_a_slice_of_their_row():
     with pytest.raises(BoundaryError, match="^local: expected a PackedBoundaries; got ShardedBoundaries"):
         ShardedBoundaries(local=ShardedBoundaries.from_row(row, group=None, rank=1, world_size=2), row=row,
                           group=None, rank=1, world_size=2, offset=8)
-    with pytest.raises(InputError, match="^layout"):
+    with pytest.raises(BoundaryError, match=r"^local: .* at offset 4 \(zigzag layout\); got 8 tokens at offset 8"):
         ShardedBoundaries(local=local, row=row, group=None, rank=1, world_size=2, offset=8, layout="zigzag")
+    with pytest.raises(BoundaryError, match=r"^local: segments \[2, 6\] are not cut at the edges \[4, 8\]"):
+        ShardedBoundaries(local=PackedBoundaries.from_lengths([2, 6]), row=row, group=None, rank=1, world_size=2,
+                          offset=4, layout="zigzag")
+    zigzag = PackedBoundaries.from_lengths([1, 3, 4])
+    assert ShardedBoundaries(local=zigzag, row=row, group=None, rank=1, world_size=2, offset=4,
+                             layout="zigzag").chunk_segments == ((1, 3), (4,))
+    with pytest.raises(InputError, match="^layout"):
+        ShardedBoundaries(local=local, row=row, group=None, rank=1, world_size=2, offset=8, layout="ring")
 
 
 def test_whole_document_code_refuses_a_shard():
@@ -157,7 +278,6 @@ def test_ops_check_a_shard_against_its_local_tokens():
 
 
 @pytest.mark.parametrize(("family", "attention", "refused"), [
-    ("jamba", "sdpa", "^boundaries: the Mamba-1 selective scan"),
     ("lfm2", "eager", "^config._attn_implementation: 'eager' masks whole documents"),
 ])
 def test_patched_layers_without_a_context_parallel_path_refuse_a_shard(family, attention, refused):
@@ -197,7 +317,7 @@ def test_shift_labels_cross_rank_edges_and_stop_at_documents():
     assert shift_labels(batch["labels"], row).tolist() == [[6, 7, -100, 9, 10, 11, -100, -100]]
 
 
-@pytest.mark.parametrize("layout", ["zigzag"])
+@pytest.mark.parametrize("layout", ["ring", "Zigzag"])
 def test_unknown_layout_is_refused(layout):
     batch = PackingCollator()([{"input_ids": [1, 2]}])
     with pytest.raises(InputError, match="^layout"):
@@ -207,8 +327,10 @@ def test_unknown_layout_is_refused(layout):
 def test_halo_plan_is_flat_in_row_length_for_the_conv():
     for total in (64, 4096):
         row = PackedBoundaries.from_document_lengths([total])
-        plan = halo_plan(ShardedBoundaries.from_row(row, group=None, rank=3, world_size=4), 3)
-        assert plan.halo_tokens == 3 and np.sum([c for _, c in plan.receives]) == 3
+        for layout in LAYOUTS:
+            plan = halo_plan(ShardedBoundaries.from_row(row, group=None, rank=3, world_size=4, layout=layout), 3)
+            assert plan.halo_tokens == 3 * len(plan.halos)
+            assert np.sum([c for _, c in plan.exchange.receives]) <= plan.halo_tokens
 
 
 TRAIN_SETTINGS = {"max_examples": 12, "capacity": 256, "max_steps": 2, "dtype": "float32", "guard_every": 0,
@@ -289,3 +411,13 @@ def test_bidirectional_attention_on_a_shard_is_refused():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(InputError, match="^causal: context-parallel attention is causal only"):
         varlen_attention(q, q, q, shard, causal=False)
+
+
+def test_one_process_zigzag_shard_is_the_row_in_two_chunks():
+    batch = PackingCollator(pack_length=20)([{"input_ids": list(range(3, 3 + n))} for n in (4, 1, 9)])
+    shard = shard_batch(batch, layout="zigzag")
+    bounds = shard["boundaries"]
+    assert bounds.layout == "zigzag" and bounds.chunks == ((0, 10), (10, 10))
+    assert torch.equal(shard["input_ids"], batch["input_ids"])
+    assert bounds.local.segment_lengths == (4, 1, 5, 4, 6) and bounds.local.num_pad_tokens == 6
+    assert torch.equal(bounds.document_positions, batch["position_ids"])

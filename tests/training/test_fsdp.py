@@ -16,6 +16,7 @@ from hybrid_pack.modeling import HybridForCausalLM
 from hybrid_pack.packing import PackedBatchSampler
 from hybrid_pack.schema import INPUT_IDS
 from hybrid_pack.training import TrainConfig, build_model
+from hybrid_pack.training.checkpoint import CHECKPOINT, latest_checkpoint
 from hybrid_pack.training.data import build_features, load_chats
 from hybrid_pack.training.loop import build_optimizer, train_pass
 from hybrid_pack.training.stats import RunStats
@@ -30,7 +31,7 @@ RANKS = 2
 def _parameters(run, tmp_path) -> dict[str, torch.Tensor]:
     """The model parameters of a run's last sharded checkpoint, gathered in one process."""
     file = tmp_path / f"{run.name}.pt"
-    dcp_to_torch_save(run / "checkpoint", file)
+    dcp_to_torch_save(latest_checkpoint(run / CHECKPOINT), file)
     return torch.load(file, weights_only=False)["model"]
 
 

@@ -18,6 +18,7 @@ from hybrid_pack.modeling import HybridForCausalLM
 from hybrid_pack.modeling.vocab import VocabRemap
 from hybrid_pack.schema import INPUT_IDS
 from hybrid_pack.training import TrainConfig, build_model
+from hybrid_pack.training.checkpoint import CHECKPOINT, STATE_FILE, latest_checkpoint, read_state
 from hybrid_pack.training.data import TOKENIZER_VOCAB, load_chats, prepare_data
 
 CAPACITY = 160
@@ -116,7 +117,7 @@ def test_a_malformed_tokenized_row_is_named(row: dict, message: str) -> None:
 # ------------------------------------------------------------------ the saved model
 def _trained_compact_model(out: Path, cfg: TrainConfig) -> torch.nn.Module:
     model = build_model(cfg)
-    model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["model"])
+    model.load_state_dict(read_state(latest_checkpoint(out / CHECKPOINT) / STATE_FILE)["model"])
     return model.eval()
 
 

@@ -14,6 +14,7 @@ from hybrid_pack.cli import main
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.training import PaddingCollator, TrainConfig, train
 from hybrid_pack.training import checkpoint as checkpoint_module
+from hybrid_pack.training.checkpoint import CHECKPOINT, STATE_FILE, latest_checkpoint, read_state
 
 
 def _features(seed: int = 0) -> list[dict]:
@@ -50,7 +51,7 @@ def test_padding_collator_masks_padding_and_first_tokens():
 
 
 def _params(path):
-    return torch.load(path / "checkpoint.pt", weights_only=False)["model"]
+    return read_state(latest_checkpoint(path / CHECKPOINT) / STATE_FILE)["model"]
 
 
 def test_resume_after_a_stop_reaches_the_same_parameters(tmp_path, monkeypatch):
@@ -110,7 +111,7 @@ def test_user_jsonl_chats_are_what_trains(tmp_path):
     data.write_text("\n".join(json.dumps(chat) for chat in chats))
     cfg = TrainConfig(out=str(tmp_path / "run"), data=str(data), capacity=256, max_steps=1, lr=0.0, progress=False)
     metrics = train(cfg)
-    first_pack = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["groups"][0]
+    first_pack = read_state(latest_checkpoint(tmp_path / "run" / CHECKPOINT) / STATE_FILE)["groups"][0]
 
     model = build_model(cfg).train()
     features, _ = build_features(load_chats(str(data), None), model.config.vocab_size, max_length=256)
@@ -143,7 +144,7 @@ def test_hugging_face_directory_trains_with_boundaries(tmp_path):
     cfg = TrainConfig(model=str(model_dir), out=str(tmp_path / "run"), max_examples=24, capacity=1024, max_steps=1,
                       progress=False, lr=0.0)
     metrics = train(cfg)
-    first_pack = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["groups"][0]
+    first_pack = read_state(latest_checkpoint(tmp_path / "run" / CHECKPOINT) / STATE_FILE)["groups"][0]
 
     model = build_model(cfg).train()
     features, _ = build_features(load_chats("gsm8k", 24), model.config.vocab_size, max_length=1024)

@@ -1,7 +1,8 @@
 """One rank of the context-parallel proofs in tests/parallel/test_context_parallel.py (launched by torchrun, gloo).
 
-Every case runs the same row unsharded on every rank and split across the group, and compares rank r's
-share, gathered over the group, with the unsharded result: op outputs and input gradients, model logits,
+Every case runs the same row unsharded on every rank and split across the group (each case under both
+layouts, ``contiguous`` and ``zigzag``), and compares rank r's share, gathered over the group, with the
+unsharded result: op outputs and input gradients, model logits,
 summed losses and summed parameter gradients; cross-document gradients must be exactly zero; bad input
 must raise :class:`InputError` naming its field. Each case's verdict ("ok" or the failure) is gathered,
 and rank 0 writes ``{case: verdict}`` as JSON to ``sys.argv[1]``. ``sys.argv[2:]`` names the case groups
@@ -26,8 +27,20 @@ from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
+from hybrid_pack.parallel.boundaries import LAYOUTS
 from hybrid_pack.testing import Layout, PackingGuard
-from tests.kit import assert_close, attention_signature, conv_signature, op_inputs, projection, public_op, run
+from tests.kit import (
+    assert_close,
+    attention_signature,
+    conv_signature,
+    gated_delta_signature,
+    op_inputs,
+    projection,
+    public_op,
+    run,
+    ssd_signature,
+)
+from tests.workers.gathered import gather_tokens, summed
 from tests.workers.launch import exit_without_finalizing
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -35,11 +48,13 @@ PER_RANK = 6
 
 
 def op_layouts(world: int) -> list[Layout]:
-    """Rows of ``world * PER_RANK`` tokens (and one of ``world * 2``) that stress every rank edge."""
+    """Rows of ``world * PER_RANK`` tokens (and one of ``world * 2``) that stress every rank and zigzag chunk
+    edge (every row divides by ``2 * world``: zigzag chunks of ``PER_RANK / 2`` tokens, of 1 in the short row)."""
     n, total = PER_RANK, world * PER_RANK
     return [
         Layout("document_across_every_rank", (2, total - 4, 2)),
         Layout("documents_end_on_rank_edges", (n,) * world),
+        Layout("documents_end_on_chunk_edges", (n // 2,) * (2 * world)),
         Layout("one_token_documents_at_every_edge", (1, n - 2, 1) * world),
         Layout("last_rank_only_padding", (3, total - n - 5), num_pad_tokens=n + 2),
         Layout("halo_from_two_ranks", (2 * world - 1, 1)),
@@ -50,24 +65,19 @@ def op_layouts(world: int) -> list[Layout]:
 OP_SIGNATURES = {
     "conv": conv_signature(channels=5, width=4, activation="silu"),
     "attention": attention_signature(heads=4, kv_heads=2, dim=8),
+    "gated_delta": gated_delta_signature(heads=2, v_heads=4, k_dim=4, v_dim=3, output_final_state=False),
+    "ssd": ssd_signature(heads=2, head_dim=3, groups=1, state_dim=4, chunk_size=4, D="H", z=True, dt_bias=True,
+                         return_final_states=False),
 }
+"""Per-token outputs only: per-document states are refused under zigzag."""
+TESTED_LAYOUTS = {"conv": LAYOUTS, "attention": LAYOUTS, "gated_delta": ("zigzag",), "ssd": ("zigzag",)}
+"""The layouts each op's cases run under here: Gated DeltaNet and the SSD serve the contiguous layout only and
+reach zigzag through a relayout; their contiguous path (states included) is proved by tests/workers/cp_recurrent.py
+on rows built for it."""
 OP_KEYWORDS = {"attention": {"softmax_scale": 0.3}}  # not the default scale: both paths must use the given one
 
 
-def gather_tokens(local: torch.Tensor, world: int) -> torch.Tensor:
-    """Rank pieces ``[1, T/R, ...]`` -> the row ``[1, T, ...]``."""
-    pieces = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(pieces, local.contiguous())
-    return torch.cat(pieces, dim=1)
-
-
-def summed(value: torch.Tensor) -> torch.Tensor:
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value
-
-
-def check_op(op: str, layout: Layout, rank: int, world: int) -> None:
+def check_op(op: str, layout: Layout, cp_layout: str, rank: int, world: int) -> None:
     """Outputs, every input's gradient, and zero cross-document gradients, sharded vs unsharded."""
     row = layout.boundaries()
     case = op_inputs(op, OP_SIGNATURES[op], row, seed=0)
@@ -78,27 +88,26 @@ def check_op(op: str, layout: Layout, rank: int, world: int) -> None:
               if isinstance(value, torch.Tensor) and value.requires_grad}
     expected_grads = torch.autograd.grad((expected * weight).sum(), list(leaves.values()))
 
-    shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world)
-    window = slice(shard.offset, shard.offset + shard.local.total_tokens)
-    local = {name: (value[:, window] if name in case.token_inputs else value).detach().requires_grad_()
+    shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world, layout=cp_layout)
+    local = {name: (shard.take(value) if name in case.token_inputs else value).detach().requires_grad_()
              if name in leaves else value for name, value in case.arguments.items()}
     output = run(op, fn, case, shard, local)["output"]
-    assert_close(gather_tokens(output.detach(), world), expected.detach(), f"{op} output", tol=TOL[torch.float64])
-    grads = torch.autograd.grad((output * weight[:, window]).sum(), [local[name] for name in leaves],
+    assert_close(gather_tokens(output.detach(), shard), expected.detach(), f"{op} output", tol=TOL[torch.float64])
+    grads = torch.autograd.grad((output * shard.take(weight)).sum(), [local[name] for name in leaves],
                                 retain_graph=True)
     for name, grad, want in zip(leaves, grads, expected_grads, strict=True):
-        got = gather_tokens(grad, world) if name in case.token_inputs else summed(grad)
+        got = gather_tokens(grad, shard) if name in case.token_inputs else summed(grad)
         assert_close(got, want, f"{op} d{name}", tol=TOL[torch.float64])
 
     token_leaves = [name for name in leaves if name in case.token_inputs]
     for doc, (start, length) in enumerate(zip(row.starts, row.segment_lengths, strict=True)):
         mask = torch.zeros(1, row.total_tokens, 1, 1, dtype=torch.float64)
         mask[:, start:start + length] = 1
-        doc_out = (output * weight[:, window] * mask[:, window].view(1, -1, *[1] * (output.dim() - 2))).sum()
+        doc_out = (output * shard.take(weight) * shard.take(mask).view(1, -1, *[1] * (output.dim() - 2))).sum()
         doc_grads = torch.autograd.grad(doc_out, [local[name] for name in token_leaves], retain_graph=True,
                                         allow_unused=True)
         for name, grad in zip(token_leaves, doc_grads, strict=True):
-            full = gather_tokens(torch.zeros_like(local[name]) if grad is None else grad, world)
+            full = gather_tokens(torch.zeros_like(local[name]) if grad is None else grad, shard)
             outside = torch.ones(row.total_tokens, dtype=torch.bool)
             outside[start:start + length] = False
             leak = full[0, outside].abs().max().item() if outside.any() else 0.0
@@ -111,8 +120,8 @@ def packed_batch(layout: Layout, vocab: int, seed: int) -> dict:
     return PackingCollator(pack_length=layout.total_tokens)(features)
 
 
-def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torch.dtype, world: int, *,
-                loss_dtype: torch.dtype | None = None) -> None:
+def check_model(make: Callable[[], torch.nn.Module], layout: Layout, cp_layout: str, dtype: torch.dtype,
+                world: int, *, loss_dtype: torch.dtype | None = None) -> None:
     """Logits slice, loss shares summing to the loss, summed gradients equal to the unsharded ones.
 
     ``loss_dtype``: the dtype the model computes its loss in (Hugging Face's: float32), which bounds the
@@ -125,7 +134,7 @@ def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torc
     out = model(**batch)
     out.loss.backward()
 
-    shard = shard_batch(batch)
+    shard = shard_batch(batch, layout=cp_layout)
     cut = PackedBoundaries.from_lengths([n for r in range(world) for n in ShardedBoundaries.from_row(
         shard["boundaries"].row, group=None, rank=r, world_size=world).local.segment_lengths])
     with torch.no_grad():  # the row cut at the rank edges: what a shard would get without context parallelism
@@ -135,10 +144,8 @@ def check_model(make: Callable[[], torch.nn.Module], layout: Layout, dtype: torc
     local = sharded_model(**shard)
     local.loss.backward()
     loss, grads = summed(local.loss), [summed(p.grad) for p in sharded_model.parameters()]  # collectives first
-    bounds = shard["boundaries"]
-    window = slice(bounds.offset, bounds.offset + bounds.local.total_tokens)
     tol = TOL[loss_dtype or dtype]
-    assert_close(local.logits.detach(), out.logits[:, window].detach(), "logits", tol=TOL[dtype])
+    assert_close(local.logits.detach(), shard["boundaries"].take(out.logits).detach(), "logits", tol=TOL[dtype])
     assert_close(loss, out.loss.detach(), "summed loss", tol=tol)
     for (name, want), got in zip(model.named_parameters(), grads, strict=True):
         assert_close(got, want.grad, f"summed grad of {name}", tol=tol)
@@ -184,6 +191,9 @@ def check_errors(rank: int, world: int) -> None:
     expect_input_error("input_ids", lambda: shard_batch(two_rows))
     odd = packed_batch(Layout("odd", (3, 3 * world - 2)), 50, seed=0)
     expect_input_error("pack_length", lambda: shard_batch(odd))
+    not_zigzag = packed_batch(Layout("divides_by_world_not_twice", (3, 3 * world - 3)), 50, seed=0)  # 3R tokens
+    shard_batch(not_zigzag)
+    expect_input_error("pack_length", lambda: shard_batch(not_zigzag, layout="zigzag"))
     # Boundaries built for another rank's place, then for a group this process is not in.
     shard = shard_batch(batch)["boundaries"]
     wrong = ShardedBoundaries.from_row(shard.row, group=None, rank=(rank + 1) % world, world_size=world)
@@ -200,23 +210,29 @@ def check_errors(rank: int, world: int) -> None:
 
 
 def cases(world: int) -> dict[str, Callable[[int], None]]:
-    """Every case name of one launch (also the pytest ids), by group."""
+    """Every case name of one launch (also the pytest ids), by group: each op and model under every layout; on
+    4 ranks the native presets in float64 only and no patched Qwen3-Next or Bamba (the launch's time)."""
     out: dict[str, dict[str, Callable[[int], None]]] = {"ops": {}, "models": {}, "presets": {}, "errors": {}}
-    for op in OP_SIGNATURES:
-        for layout in op_layouts(world):
-            out["ops"][f"{op}-{layout.name}"] = lambda rank, op=op, layout=layout: check_op(op, layout, rank, world)
-    model_layout = Layout("model_row", (1, 9, 1, 20, 2, 4 * world + 3), num_pad_tokens=world)
-    for dtype in TOL:
-        name = str(dtype).removeprefix("torch.")
-        out["models"][f"attention_model-{name}"] = (
-            lambda rank, dtype=dtype: check_model(attention_model, model_layout, dtype, world))
-        for preset_name in ("qwen3-next-tiny", "bamba-tiny"):
-            out["presets"][f"{preset_name}-{name}"] = (
-                lambda rank, p=preset_name, dtype=dtype: check_model(preset(p), model_layout, dtype, world))
-    for family in ("lfm2", "qwen3_next", "bamba"):  # lfm2: conv + attention; the others need every op's CP
-        group = "models" if family == "lfm2" else "presets"
-        out[group][f"hf_{family}-float64"] = (lambda rank, family=family: check_model(
-            patched(family), model_layout, torch.float64, world, loss_dtype=torch.float32))
+    # Padding that keeps the row divisible by 2 * world (the zigzag chunks), never none.
+    model_layout = Layout("model_row", (1, 9, 1, 20, 2, 4 * world + 3),
+                          num_pad_tokens=2 * world - (36 + 4 * world) % (2 * world))
+    for cp in LAYOUTS:
+        for op in (op for op in OP_SIGNATURES if cp in TESTED_LAYOUTS[op]):
+            for layout in op_layouts(world):
+                out["ops"][f"{op}-{cp}-{layout.name}"] = (
+                    lambda rank, op=op, layout=layout, cp=cp: check_op(op, layout, cp, rank, world))
+        for dtype in TOL:
+            name = str(dtype).removeprefix("torch.")
+            out["models"][f"attention_model-{cp}-{name}"] = (
+                lambda rank, dtype=dtype, cp=cp: check_model(attention_model, model_layout, cp, dtype, world))
+            for preset_name in ("qwen3-next-tiny", "bamba-tiny") if world == 2 or dtype == torch.float64 else ():
+                out["presets"][f"{preset_name}-{cp}-{name}"] = (lambda rank, p=preset_name, dtype=dtype, cp=cp:
+                                                                check_model(preset(p), model_layout, cp, dtype, world))
+        # lfm2: conv + attention; the others need every op's CP (on 2 ranks: 4 add no rank edge of a new kind).
+        for family in ("lfm2", "qwen3_next", "bamba") if world == 2 else ("lfm2",):
+            group = "models" if family == "lfm2" else "presets"
+            out[group][f"hf_{family}-{cp}-float64"] = (lambda rank, family=family, cp=cp: check_model(
+                patched(family), model_layout, cp, torch.float64, world, loss_dtype=torch.float32))
     out["errors"]["bad_input"] = lambda rank: check_errors(rank, world)
     return out
 

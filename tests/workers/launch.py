@@ -12,8 +12,10 @@ from typing import NoReturn
 WORKERS = Path(__file__).parent
 
 
-def torchrun(script: str | Path, *args: str, processes: int = 2, timeout: float = 300) -> None:
-    """Run ``WORKERS / script`` on ``processes`` ranks; assert that every rank exited 0 within ``timeout`` s.
+def torchrun(script: str | Path, *args: str, processes: int = 2,
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``WORKERS / script`` on ``processes`` ranks; assert that every rank exited 0 within ``timeout`` s, and
+    return the launch (its ``stdout`` and ``stderr``).
 
     Each rank has one torch thread, gloo over loopback, and this checkout first on its path (workers import its
     ``hybrid_pack`` and ``tests``).
@@ -24,6 +26,7 @@ def torchrun(script: str | Path, *args: str, processes: int = 2, timeout: float 
                str(WORKERS / script), *args]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def exit_without_finalizing(code: int) -> NoReturn:

@@ -12,8 +12,10 @@ from hybrid_pack.ops.attention.cp import varlen_attention_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.parallel.compile import eager_on_shards
 
 
+@eager_on_shards
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      boundaries: PackedBoundaries | StaticBoundaries, *,
                      causal: bool = True, softmax_scale: float | None = None,
@@ -49,4 +51,5 @@ ROUTE = OpRoute(
     OP, varlen_attention, positional=("q", "k", "v"),
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["causal"]), sharded=varlen_attention_cp,
     opaque=PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention),
-    from_opaque=lambda outputs, _: outputs[0])
+    from_opaque=lambda outputs, _: outputs[0],
+    layouts=("contiguous", "zigzag"))

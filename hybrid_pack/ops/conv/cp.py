@@ -1,11 +1,12 @@
 """Causal conv on one rank's slice of a row split across a context-parallel group (docs/parallel.md).
 
-Where this rank's first document began on earlier ranks, its first ``W - 1`` outputs read inputs held
-there. The rank receives those ``min(W - 1, first_position)`` tokens (the halo,
-:func:`~hybrid_pack.parallel.exchange.with_preceding_tokens`), runs the single-device op on
-``[halo, local]`` with the halo joined to the first local segment, and drops the halo's outputs. The
-halo's gradient goes back to the ranks that sent it. Bytes received per rank: at most
-``(W - 1) * D`` elements, whatever the row length.
+Where one of this rank's chunks starts inside a document, the chunk's first ``W - 1`` outputs read the
+document's inputs before the chunk, held by another rank (or by this one, for the zigzag layout's later
+chunk). The rank receives, before each chunk, those ``min(W - 1, first position)`` tokens (its halo,
+:func:`~hybrid_pack.parallel.exchange.with_preceding_tokens`), runs the single-device op once on
+``[halo_0, chunk_0, halo_1, chunk_1]`` with each halo joined to its chunk's first segment, and drops the
+halos' outputs. The halos' gradients go back to the tokens they came from. Serves every layout. Elements
+received per rank: at most ``(W - 1) * D`` per chunk, whatever the row length.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def causal_conv1d_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: t
 
     Args:
         op: the public single-device op (called with plain boundaries and ``backend``).
-        x: ``[1, T_local, D]``, this rank's tokens.
+        x: ``[1, T_local, D]``, this rank's tokens (its chunks in order, any layout).
         weight, bias: as in :func:`hybrid_pack.ops.causal_conv1d` (``weight`` ``[D, W]``).
         boundaries: this rank's :class:`ShardedBoundaries` (a collective over its group).
 
@@ -39,6 +40,12 @@ def causal_conv1d_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: t
         ``[1, T_local, D]``.
     """
     boundaries.check_group()
-    extended, halo = with_preceding_tokens(x[0], boundaries, limit=weight.shape[1] - 1)
-    out = op(extended.unsqueeze(0), weight, bias, boundaries.extended(halo), activation=activation, backend=backend)
-    return out[:, halo:]
+    extended, halos = with_preceding_tokens(x[0], boundaries, limit=weight.shape[1] - 1)
+    out = op(extended.unsqueeze(0), weight, bias, boundaries.extended(halos), activation=activation, backend=backend)
+    if not any(halos):
+        return out
+    kept, at = [], 0
+    for halo, (_, length) in zip(halos, boundaries.chunks, strict=True):
+        kept.append(out[:, at + halo:at + halo + length])
+        at += halo + length
+    return torch.cat(kept, dim=1)

@@ -12,8 +12,10 @@ from hybrid_pack.ops.conv.cp import causal_conv1d_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.parallel.compile import eager_on_shards
 
 
+@eager_on_shards
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   boundaries: PackedBoundaries | StaticBoundaries,
                   *, activation: str | None = None, backend: str | None = None) -> torch.Tensor:
@@ -47,4 +49,5 @@ ROUTE = OpRoute(
     OP, causal_conv1d, positional=("x", "weight", "bias"),
     signature=lambda a: signature_of(a["x"], a["weight"], a["bias"], a["activation"]), sharded=causal_conv1d_cp,
     opaque=PackedCustomOp("causal_conv1d", ("x", "weight", "bias?"), "str? activation", causal_conv1d),
-    from_opaque=lambda outputs, _: outputs[0])
+    from_opaque=lambda outputs, _: outputs[0],
+    layouts=("contiguous", "zigzag"))

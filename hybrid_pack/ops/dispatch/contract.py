@@ -88,6 +88,9 @@ class OpContract:
         edge: ``signature -> tokens``: the block length whose edges the check's documents end on.
         reach: ``signature -> tokens``: how far back one token reads within its document outside a recurrence
             (a conv's width; 1 otherwise).
+        check: the op's own check, for an op whose output is not per token (a loss): called like the generic one,
+            ``(case, boundaries, generator, backend, reference, contract, requires_grad) -> largest error``, raising
+            :class:`~hybrid_pack.isolation.Mismatch`; None: the generic check (:mod:`.selfcheck`).
     """
 
     name: str
@@ -96,3 +99,4 @@ class OpContract:
     default_signature: Callable[[torch.dtype, str], Signature]
     edge: Callable[[Signature], int]
     reach: Callable[[Signature], int] = lambda signature: 1
+    check: Callable[..., float] | None = None

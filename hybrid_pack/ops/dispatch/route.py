@@ -27,6 +27,7 @@ from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
 from hybrid_pack.ops.dispatch.registry import get_backend
 from hybrid_pack.ops.dispatch.selector import describe, resolve, resolve_sharded, static_choice
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.parallel.relayout import on_contiguous
 
 __all__ = ["OpRoute", "route_of"]
 
@@ -47,6 +48,8 @@ class OpRoute:
         opaque: the op as one opaque node of a compiled graph (:class:`~hybrid_pack.ops.library.PackedCustomOp`),
             for backends with no static form.
         from_opaque: ``(outputs, arguments) -> result``: the node's list of outputs in the op's return convention.
+        layouts: the :class:`~hybrid_pack.parallel.ShardedBoundaries` layouts ``sharded`` serves; on another, the
+            per-token tensors move to the contiguous layout and back (:mod:`hybrid_pack.parallel.relayout`).
     """
 
     op: str
@@ -56,6 +59,7 @@ class OpRoute:
     sharded: Callable[..., Any]
     opaque: Any
     from_opaque: Callable[[list[torch.Tensor], Mapping[str, Any]], Any]
+    layouts: tuple[str, ...] = ("contiguous",)
 
     def __post_init__(self) -> None:
         _ROUTES[self.op] = self
@@ -76,6 +80,9 @@ class OpRoute:
             return self._opaque(arguments, boundaries, name, requires_grad)
         if isinstance(boundaries, ShardedBoundaries):
             boundaries.check_group()
+            if boundaries.layout not in self.layouts:
+                return on_contiguous(lambda moved, contiguous: self(moved, contiguous, backend=backend,
+                                                                    requires_grad=requires_grad), arguments, boundaries)
             ranks = tuple(dist.get_process_group_ranks(boundaries.group or dist.group.WORLD)
                           if dist.is_initialized() else (0,))
             chosen = resolve_sharded(self.op, device=device, dtype=dtype, requires_grad=requires_grad, backend=backend,

@@ -12,8 +12,10 @@ from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
+from hybrid_pack.parallel.compile import eager_on_shards
 
 
+@eager_on_shards
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      boundaries: PackedBoundaries | StaticBoundaries, *, scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -82,4 +84,5 @@ ROUTE = OpRoute(
     opaque=PackedCustomOp("gated_delta_rule", ("q", "k", "v", "g", "beta", "initial_state?"),
                           "float scale, bool output_final_state, bool use_qk_l2norm", _eager, fake=_fake,
                           state_input=5),
-    from_opaque=lambda outputs, a: (outputs[0], outputs[1] if a["output_final_state"] else None))
+    from_opaque=lambda outputs, a: (outputs[0], outputs[1] if a["output_final_state"] else None),
+    layouts=("contiguous",))

@@ -3,7 +3,8 @@
 ``h_t = exp(dt_t A) ⊙ h_{t-1} + (dt_t x_t) B_t^T``, ``y_t = (h_t C_t + D ⊙ x_t) ⊙ silu(z_t)``, with a state
 ``h`` of shape ``[D, N]`` per token: a decay per channel and state entry, where Mamba-2's SSD has one per
 head. Pure torch on every device: the packed scan (:mod:`.torch_backend`) on :class:`PackedBoundaries`, the
-chunked static scan (:mod:`.torch_static`) on :class:`StaticBoundaries`; no backend registry, no custom op.
+chunked static scan (:mod:`.torch_static`) on :class:`StaticBoundaries`, the packed scan with state passing
+across rank edges (:mod:`.cp`) on a :class:`ShardedBoundaries`; no backend registry, no custom op.
 
 ``dt`` is discretised by the SSD's :func:`~hybrid_pack.ops.ssd.torch_backend.discretize_dt`:
 ``softplus(dt + dt_bias)``, as Hugging Face's Jamba and mamba-ssm's ``selective_scan_fn`` compute it with
@@ -19,39 +20,41 @@ import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
-from hybrid_pack.errors import InputError, UnsupportedModelError
-from hybrid_pack.ops.selective_scan import torch_backend, torch_static
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.selective_scan import cp, torch_backend, torch_static
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt
 from hybrid_pack.ops.validate import check_packed, check_shape, state_dtype
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.parallel.compile import eager_on_shards
+from hybrid_pack.parallel.relayout import on_contiguous
 
 __all__ = ["selective_scan"]
 
 
+@eager_on_shards
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
-                   z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+                   boundaries: PackedBoundaries | StaticBoundaries | ShardedBoundaries, *,
+                   D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                   dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Selective scan over a packed row; no state crosses a segment boundary.
 
     Args:
         x, dt: ``[1, T, D]`` (``dt`` before ``dt_bias`` and softplus).
         A: ``[D, N]`` (negative).
         B, C: ``[1, T, N]``.
-        boundaries: where the documents of the row start (eager or static). A
-            :class:`~hybrid_pack.parallel.ShardedBoundaries` raises :class:`UnsupportedModelError`: the scan
-            has no context-parallel state passing.
+        boundaries: where the documents of the row start (eager or static); a
+            :class:`~hybrid_pack.parallel.ShardedBoundaries` runs this rank's part of a row split across a
+            context-parallel group (:func:`.cp.scan`: the state of a document crossing a rank edge is passed on;
+            the per-token tensors of another layout than the contiguous one move to it and back,
+            :func:`~hybrid_pack.parallel.relayout.on_contiguous`).
         D: ``[D]`` skip connection.
         z: ``[1, T, D]`` gate: the output is multiplied by ``silu(z)``.
         dt_bias: ``[D]``.
 
     Returns:
-        ``y [1, T, D]`` in x's dtype (computed in float32, or float64 for float64 inputs).
+        ``y [1, T, D]`` in x's dtype (computed in float32, or float64 for float64 inputs); on a shard, this rank's
+        ``T_local`` tokens of the whole row's result.
     """
-    if isinstance(boundaries, ShardedBoundaries):
-        raise UnsupportedModelError(
-            "boundaries: the Mamba-1 selective scan (Jamba) has no context-parallel state passing, so a "
-            "ShardedBoundaries (a row split across ranks by shard_batch) would restart every document at each rank "
-            "edge; train Jamba without context parallelism (no --context-parallel, pass the unsharded batch)")
     check_packed("x", x, boundaries, 3)
     channels = x.shape[-1]
     if A.dim() != 2 or A.shape[0] != channels:
@@ -62,11 +65,19 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     check_shape("D", D, (channels,))
     check_shape("z", z, x.shape)
     check_shape("dt_bias", dt_bias, (channels,))
+    if isinstance(boundaries, ShardedBoundaries):
+        boundaries.check_group()
+        if boundaries.layout != "contiguous":
+            arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
+            return on_contiguous(lambda moved, contiguous: selective_scan(**moved, boundaries=contiguous),
+                                 arguments, boundaries)
     dtype = state_dtype(x.dtype)
     step = discretize_dt(dt[0].to(dtype), None if dt_bias is None else dt_bias.to(dtype), dt_softplus=True)
     tokens = x[0].to(dtype)
     inputs = (tokens, step, A.to(dtype), B[0].to(dtype), C[0].to(dtype))
-    if isinstance(boundaries, StaticBoundaries):
+    if isinstance(boundaries, ShardedBoundaries):
+        y = cp.scan(*inputs, boundaries)
+    elif isinstance(boundaries, StaticBoundaries):
         y = torch_static.scan(*inputs, boundaries)
     else:
         y = torch_backend.scan(*inputs, boundaries)

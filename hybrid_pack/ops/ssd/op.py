@@ -12,8 +12,10 @@ from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
 from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
+from hybrid_pack.parallel.compile import eager_on_shards
 
 
+@eager_on_shards
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
                z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
@@ -93,4 +95,5 @@ ROUTE = OpRoute(
     opaque=PackedCustomOp("mamba2_ssd", ("x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?", "initial_states?"),
                           "bool dt_softplus, int chunk_size, bool return_final_states", _eager, fake=_fake,
                           state_input=8),
-    from_opaque=lambda outputs, a: (outputs[0], outputs[1]) if a["return_final_states"] else outputs[0])
+    from_opaque=lambda outputs, a: (outputs[0], outputs[1]) if a["return_final_states"] else outputs[0],
+    layouts=("contiguous",))

@@ -1,0 +1,91 @@
+"""The loss of an LM head from its input: token cross-entropy of ``hidden @ weight.T`` without the ``[T, V]`` logits.
+
+Each token's loss depends on its own hidden state and target only, so the op takes no boundaries: a packed row's
+targets are its labels shifted within each document (:func:`~hybrid_pack.boundaries.targets.shift_labels`), and a
+context-parallel shard's are the ``shift_labels`` :func:`~hybrid_pack.parallel.shard_batch` gives it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.errors import BackendUnavailableError, InputError
+from hybrid_pack.ops.dispatch.contract import dtype_name
+from hybrid_pack.ops.dispatch.registry import get_backend
+from hybrid_pack.ops.dispatch.selector import describe, resolve, static_choice
+from hybrid_pack.ops.linear_cross_entropy.check import DEFAULT_CHUNK_SIZE, OP, signature_of
+from hybrid_pack.ops.validate import needs_grad
+from hybrid_pack.schema import IGNORE_INDEX
+
+__all__ = ["linear_cross_entropy", "DEFAULT_CHUNK_SIZE"]
+
+
+def _validate(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> None:
+    if hidden.dim() < 2 or not hidden.is_floating_point():
+        raise InputError(f"hidden: expected a float tensor [..., H] (a packed row's [1, T, H]); got "
+                         f"{hidden.dtype} of shape {list(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise InputError(f"weight: expected the LM head's weight [V, {hidden.shape[-1]}] (hidden's H); got shape "
+                         f"{list(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise InputError(f"weight: expected hidden's dtype {dtype_name(hidden.dtype)} (cast the head or the hidden "
+                         f"states, as nn.Linear needs); got {dtype_name(weight.dtype)}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise InputError(f"targets: expected shape {list(hidden.shape[:-1])} (hidden's leading dims); got "
+                         f"{list(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise InputError(f"targets: expected an integer tensor (token ids, -100 ignored); got {targets.dtype}")
+    if weight.device != hidden.device or targets.device != hidden.device:
+        raise InputError(f"weight, targets: expected hidden's device {hidden.device}; got {weight.device} and "
+                         f"{targets.device}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InputError(f"chunk_size: expected a positive int (tokens whose logits are held at once); "
+                         f"got {chunk_size!r}")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         num_items: int | torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                         backend: str | None = None) -> torch.Tensor:
+    """``sum_t CE(hidden[t] @ weight.T, targets[t]) / num_items``, holding at most ``[chunk_size, V]`` logits.
+
+    Equal to ``F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100, reduction="sum") / num_items`` with the
+    logits upcast to float32 first, which is :func:`hybrid_pack.packed_loss` on shifted labels.
+
+    Args:
+        hidden: ``[..., H]`` (a packed row's final hidden states ``[1, T, H]``), any float dtype.
+        weight: ``[V, H]``, the LM head's weight, in ``hidden``'s dtype.
+        targets: int ``[...]`` (``hidden``'s leading dims), already shifted: ``targets[t]`` is the token predicted
+            at ``t``; ``-100`` ignored.
+        num_items: divide the summed loss by this: the target tokens of every micro-batch of the optimizer step
+            (gradient accumulation), or of the whole row on a context-parallel shard, so that the shards' losses
+            sum to the row's. Default: the targets here that are not ``-100``.
+        chunk_size: tokens whose logits are held at once.
+        backend: force a backend (``"torch"``, ``"fla"``; see :mod:`hybrid_pack.backends`). Inside
+            ``torch.compile`` the pure-torch backend is traced (the compiler fuses its chunks).
+
+    Returns:
+        A float32 scalar (float64 for float64 inputs); 0 (with a zero gradient) when no target is left.
+    """
+    _validate(hidden, weight, targets, chunk_size)
+    hidden_rows, target_rows = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    signature = signature_of(hidden, weight, chunk_size)
+    requires_grad = needs_grad(hidden, weight)
+    inputs = {"hidden": hidden_rows, "weight": weight, "targets": target_rows, "chunk_size": chunk_size,
+              "requires_grad": requires_grad}
+    if torch.compiler.is_compiling():  # the pure-torch chunks, traced inline: the fused kernel runs eagerly only
+        name = static_choice(OP, str(hidden.device), dtype_name(hidden.dtype), requires_grad, backend or "torch",
+                             signature, describe(inputs), False)
+        fn = get_backend(OP, name).static_fn
+        if fn is None:
+            raise BackendUnavailableError(f"{OP} backend {name!r} (forced by backend=) cannot run inside "
+                                          "torch.compile; there the pure-torch backend is traced")
+    else:
+        fn = resolve(OP, device=hidden.device, dtype=hidden.dtype, requires_grad=requires_grad, backend=backend,
+                     inputs=inputs, signature=signature).fn
+    total = fn(hidden_rows, weight, target_rows, chunk_size=chunk_size)
+    count = (target_rows != IGNORE_INDEX).sum() if num_items is None else num_items
+    if isinstance(count, torch.Tensor):
+        return total / count.to(device=total.device, dtype=total.dtype).clamp(min=1)
+    if count < 1:
+        raise InputError(f"num_items: expected a positive count; got {count}")
+    return total / count
