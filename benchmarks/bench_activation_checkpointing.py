@@ -40,6 +40,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_context_parallel import mixed
 from hybrid_pack import PackingCollator
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel import apply_activation_checkpointing, shard_batch
@@ -47,19 +48,7 @@ from hybrid_pack.parallel.boundaries import LAYOUTS as CP_LAYOUTS
 from hybrid_pack.parallel.fsdp import decoder_blocks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "activation_checkpointing.json"
-MIXED = (700, 1500, 333, 2048, 129)
 VOCAB = 1024
-
-
-def mixed(total: int) -> list[int]:
-    """Documents cycling through 700, 1500, 333, 2048 and 129 tokens until the row is full."""
-    lengths: list[int] = []
-    for length in itertools.cycle(MIXED):
-        room = total - sum(lengths)
-        if room <= 0:
-            return lengths
-        lengths.append(min(length, room))
-    return lengths
 
 
 ROWS = {"mixed": mixed, "one document": lambda total: [total]}

@@ -105,14 +105,18 @@ class TrainConfig:
                 raise InputError(f"{setting_field.name}: expected one of {', '.join(map(repr, choices))}; "
                                  f"got {value!r}")
         report_targets(self.report_to)
-        zigzag = self.context_parallel > 1 and self.cp_layout == "zigzag"
-        multiple = self.context_parallel * (2 if zigzag else 1)
-        if self.compile and self.capacity % multiple:  # static rows are `capacity` tokens, sharded as they are
+        if self.compile and self.capacity % self.row_multiple:  # static rows are `capacity` tokens, sharded as is
+            zigzag = ", twice for the zigzag layout" if self.row_multiple > self.context_parallel else ""
             raise InputError(f"capacity: with --compile every row is --capacity tokens, which must divide by "
-                             f"{multiple} (the context-parallel size{', twice for the zigzag layout' if zigzag else ''}"
-                             f"); got {self.capacity}")
+                             f"{self.row_multiple} (the context-parallel size{zigzag}); got {self.capacity}")
         if self.data != "gsm8k" and not Path(self.data).is_file():
             raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
+
+    @property
+    def row_multiple(self) -> int:
+        """What a packed row's length must divide by: the context-parallel size, twice it under the zigzag layout
+        (each rank holds two of ``2 * N`` chunks)."""
+        return self.context_parallel * (2 if self.context_parallel > 1 and self.cp_layout == "zigzag" else 1)
 
     @property
     def out_dir(self) -> Path:

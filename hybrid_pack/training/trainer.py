@@ -289,7 +289,7 @@ def _train_packed(model: torch.nn.Module, packed_model: torch.nn.Module, feature
                             "train/tokens_per_second": stats.tokens_per_second})
 
     collator = (PackingCollator(pack_length=cfg.capacity, max_documents=max_documents) if max_documents
-                else PackingCollator(pad_to_multiple_of=_row_multiple(cfg)))
+                else PackingCollator(pad_to_multiple_of=cfg.row_multiple))
     steps = _PackedSteps(features, sampler, cfg.grad_accum, cfg.epochs, stats.groups, collator, proc.cp_group,
                          cfg.context_parallel, cfg.cp_layout)
     try:
@@ -316,12 +316,6 @@ def _start_reporter(cfg: TrainConfig, proc: _Process) -> Reporter:
     if error is not None:
         raise error
     return reporter
-
-
-def _row_multiple(cfg: TrainConfig) -> int:
-    """What a row's length must divide by: the context-parallel size, twice it under the zigzag layout (each rank
-    holds two of ``2 * N`` chunks)."""
-    return cfg.context_parallel * (2 if cfg.context_parallel > 1 and cfg.cp_layout == "zigzag" else 1)
 
 
 def _packed_metrics(model: torch.nn.Module, stats: RunStats, sampler: PackedBatchSampler, lengths: Sequence[int],

@@ -37,7 +37,7 @@ from hybrid_pack.training import TrainConfig, build_model
 from hybrid_pack.training.data import load_chats, prepare_data
 from hybrid_pack.training.loop import build_optimizer, train_pass
 from hybrid_pack.training.stats import RunStats
-from hybrid_pack.training.trainer import _PackedSteps, _row_multiple
+from hybrid_pack.training.trainer import _PackedSteps
 from tests.workers import compose_train as worker
 from tests.workers.launch import torchrun
 
@@ -235,12 +235,12 @@ def test_activation_checkpointing_is_idempotent_and_parallelize_without_a_proces
 
 def test_config_composes_fsdp_with_context_parallel_and_activation_checkpointing():
     cfg = TrainConfig(fsdp=True, context_parallel=2, activation_checkpointing=True)
-    assert cfg.cp_layout == "contiguous" and _row_multiple(cfg) == 2
+    assert cfg.cp_layout == "contiguous" and cfg.row_multiple == 2
     with pytest.raises(InputError, match="cp_layout"):
         TrainConfig(context_parallel=2, cp_layout="diagonal")
 
 
 @pytest.mark.skipif("zigzag" not in LAYOUTS, reason="the zigzag layout is not in hybrid_pack.parallel.boundaries yet")
 def test_zigzag_rows_are_padded_to_twice_the_context_parallel_size():
-    assert _row_multiple(TrainConfig(context_parallel=2, cp_layout="zigzag")) == 4
-    assert _row_multiple(TrainConfig(context_parallel=1, cp_layout="zigzag")) == 1
+    assert TrainConfig(context_parallel=2, cp_layout="zigzag").row_multiple == 4
+    assert TrainConfig(context_parallel=1, cp_layout="zigzag").row_multiple == 1
