@@ -30,7 +30,7 @@ from hybrid_pack.training.checkpoint import (
     latest_checkpoint,
     read_state,
 )
-from hybrid_pack.training.sharded import read_dcp, read_dcp_metadata
+from hybrid_pack.training.dcp_reader import read_dcp, read_dcp_metadata
 from tests.workers.killed_save import KILLED_STEP, MOMENTS, SETTINGS
 from tests.workers.launch import WORKERS
 from tests.workers.sharded_resume import PLANTED, Payload
