@@ -122,6 +122,7 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
                         f"({metrics['device']}, {metrics['dtype']})")
     table.add_column("what")
     table.add_column("value", justify="right")
+    table.add_row("tokenizer (chat template)", metrics["tokenizer"])
     table.add_row("examples / documents trained / real tokens",
                   f"{metrics['examples']:,} / {metrics['documents_trained']:,} / {metrics['real_tokens']:,}")
     for row in _data_loss_rows(metrics):
@@ -164,7 +165,7 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
     console.print(f"wrote {out}/metrics.json, {out}/loss.png, {out}/pack_fill.png")
     if "model_dir" in metrics:
         console.print(f"saved the trained model to {metrics['model_dir']} (save_pretrained format, "
-                      f"Qwen3 tokenizer ids)")
+                      f"ids of the tokenizer: {metrics['tokenizer']})")
         if metrics["compact_vocabulary"]:
             console.print(f"  a small-vocabulary demo model: trained on {metrics['compact_vocabulary']:,} ids, the "
                           f"other tokenizer ids share its <unk> row (see COMPACT_VOCABULARY.md there)")

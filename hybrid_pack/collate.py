@@ -26,6 +26,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.multimodal import MULTIMODAL_KEYS, PositionIdsFn, pack_vision_inputs
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     COLLATED_KEYS,
@@ -82,6 +83,26 @@ class PackingCollator:
             and ``seq_idx`` to keep the documents apart.
         position_ids_start: 0, the only value taken: positions restart at 0 in every document, as the
             boundaries and RoPE read them (an offset is for RoBERTa-style absolute position embeddings).
+        position_ids_fn: how the model numbers one sample's positions, for models whose positions are not
+            ``0..L-1`` (M-RoPE): ``fn(input_ids [1, L] int64, mm_token_type_ids [1, L] int64 | None,
+            image_grid_thw [n, 3] int64 | None, video_grid_thw [m, 3] int64 | None) -> int64 [3, 1, L]``, e.g.
+            ``hybrid_pack.integrations.transformers.mrope.mrope_position_ids(model)``. ``position_ids`` is then
+            int64 ``[3, 1, T]``: every document's own positions, as the model computes them for it alone, and
+            ``0..pad-1`` on every row for the padding. None: the restarting 1-D positions, right for text and for
+            vision-language models with 1-D positions, wrong for an M-RoPE model given images. It must pickle
+            (DataLoader workers).
+
+    Multimodal samples (docs/api.md §3b), as a processor returns them one sample at a time: ``input_ids`` with
+    the image / video placeholder tokens, ``mm_token_type_ids`` ``[L]`` (0 text, 1 image, 2 video),
+    ``pixel_values`` ``[P, C]`` with ``image_grid_thw`` ``[n, 3]``, ``pixel_values_videos`` with
+    ``video_grid_thw``; any of them absent (or None) in a text-only sample. The batch then also holds
+    ``mm_token_type_ids`` int64 ``[1, T]`` (0 for samples without it and for padding), the pixels concatenated
+    in document order (dtype kept) and the grids int64 ``[sum n, 3]`` stacked in the same order; a key no sample
+    carries is absent. Each sample is checked (pixel rows equal ``sum(t * h * w)`` of its grid, pixels and grid
+    together, ``mm_token_type_ids`` present and matching the grids, one image-token run per image):
+    :class:`~hybrid_pack.errors.InputError` names the sample and the key. In the static form the row length, the
+    document count and every Python value stay fixed, but the pixel tensors and grids change rows with the
+    images of each batch.
 
     ``__call__(features, return_tensors=None, separator_id=None)`` (the last two override the
     constructor's for that call) returns, for ``T`` tokens (padding included) in ``S`` segments
@@ -119,6 +140,7 @@ class PackingCollator:
         return_flash_attn_kwargs: bool = True,
         return_seq_idx: bool = True,
         position_ids_start: int = 0,
+        position_ids_fn: PositionIdsFn | None = None,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pack_length", pack_length)):
             if value is not None and (not _is_int(value) or value < 1):
@@ -135,7 +157,7 @@ class PackingCollator:
         if isinstance(extra_token_keys, str):
             raise InputError(f"extra_token_keys: expected a sequence of key names; got the string "
                              f"{extra_token_keys!r} (wrap it: ({extra_token_keys!r},))")
-        clashes = sorted(set(extra_token_keys) & COLLATED_KEYS)
+        clashes = sorted(set(extra_token_keys) & (COLLATED_KEYS | MULTIMODAL_KEYS))
         if clashes:
             raise InputError(f"extra_token_keys: {clashes} are built by the collator itself; remove them")
         self.separator_id = int(separator_id)
@@ -149,6 +171,9 @@ class PackingCollator:
         self.return_flash_attn_kwargs = return_flash_attn_kwargs
         self.return_seq_idx = return_seq_idx
         self.position_ids_start = position_ids_start
+        if position_ids_fn is not None and not callable(position_ids_fn):
+            raise InputError(f"position_ids_fn: expected a callable or None; got {position_ids_fn!r}")
+        self.position_ids_fn = position_ids_fn
         self._check_flattening_settings()
 
     def __repr__(self) -> str:
@@ -156,7 +181,7 @@ class PackingCollator:
                 f"pad_to_multiple_of={self.pad_to_multiple_of}, pack_length={self.pack_length}, "
                 f"pad_token_id={self.pad_token_id}, extra_token_keys={self.extra_token_keys}, "
                 f"max_documents={self.max_documents}, return_tensors={self.return_tensors!r}, "
-                f"return_position_ids={self.return_position_ids})")
+                f"return_position_ids={self.return_position_ids}, position_ids_fn={self.position_ids_fn!r})")
 
     def __call__(self, features: Sequence[Feature] | Sequence[Sequence[Feature]],
                  return_tensors: Literal["pt", "np"] | None = None, separator_id: int | None = None) -> PackedBatch:
@@ -202,6 +227,8 @@ class PackingCollator:
             if column is not None:
                 values, kind = column
                 batch[key] = _concat(key, values, kind, layout, 0, _extra_dtype(key, values[0]))
+        if self.position_ids_fn is not None or any(not MULTIMODAL_KEYS.isdisjoint(doc) for doc in docs):
+            batch.update(pack_vision_inputs(docs, lengths, num_pad, input_ids, self.position_ids_fn))
         if num_pad:
             batch[NUM_PAD_TOKENS] = num_pad
         if self.max_documents is not None:
@@ -240,13 +267,14 @@ class PackingCollator:
 
     def _check_other_keys(self, docs: list[Feature], layout: _Layout) -> None:
         """Refuse a key this collator would not emit; accept (and drop) an ``attention_mask`` of all ones."""
-        known = {INPUT_IDS, LABELS, ATTENTION_MASK, *self.extra_token_keys}
+        known = {INPUT_IDS, LABELS, ATTENTION_MASK, *self.extra_token_keys, *MULTIMODAL_KEYS}
         unknown = set().union(*docs) - known
         if unknown:
             key = min(unknown, key=str)
             index = next(i for i, doc in enumerate(docs) if key in doc)
             raise InputError(f"features[{index}].{key}: not a key this collator takes (input_ids, labels, "
-                             f"attention_mask, extra_token_keys={self.extra_token_keys}); add it to "
+                             f"attention_mask, {', '.join(sorted(MULTIMODAL_KEYS))}, "
+                             f"extra_token_keys={self.extra_token_keys}); add it to "
                              f"extra_token_keys to concatenate it per token, or remove it from the examples")
         column = None if ATTENTION_MASK in self.extra_token_keys else _column(docs, ATTENTION_MASK, layout)
         if column is not None:

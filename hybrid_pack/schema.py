@@ -18,6 +18,7 @@ __all__ = [
     "PackedBatch",
     "BOUNDARY_KEYS", "PRIMARY_BOUNDARY_KEYS", "SECONDARY_BOUNDARY_KEYS", "COLLATED_KEYS", "DEFAULT_EXTRA_TOKEN_KEYS",
     "FLOAT_TOKEN_KEYS", "ROLLOUT_TOKEN_KEYS", "CACHE_KEYS", "USE_CACHE",
+    "MM_TOKEN_TYPE_IDS", "PIXEL_VALUES", "IMAGE_GRID_THW", "PIXEL_VALUES_VIDEOS", "VIDEO_GRID_THW",
 ]
 
 IGNORE_INDEX = -100
@@ -49,6 +50,12 @@ NUM_ITEMS_IN_BATCH = "num_items_in_batch"
 SHIFT_LABELS = "shift_labels"
 """Labels already shifted (the target of position t at t), as a context-parallel shard carries them."""
 USE_CACHE = "use_cache"
+# --- keys of a vision-language sample (§3b): packed by the collator when a sample carries them -------------------
+MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
+PIXEL_VALUES = "pixel_values"
+IMAGE_GRID_THW = "image_grid_thw"
+PIXEL_VALUES_VIDEOS = "pixel_values_videos"
+VIDEO_GRID_THW = "video_grid_thw"
 CACHE_KEYS = ("past_key_values", "cache_params", "cache")
 """Model keywords carrying a KV / recurrent-state cache (refused on packed rows: a cache mixes documents).
 transformers 5.24 renamed the first two to ``cache`` (the old names still accepted)."""

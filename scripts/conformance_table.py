@@ -1,19 +1,23 @@
 """The conformance tier's table (docs/api.md §6a): transformers' common model tests per family, unpatched and patched.
 
-Runs ``tests/conformance/test_hf_model_tester.py`` once with ``HYBRID_PACK_CONFORMANCE_RAW=1`` (no expected-
-failure marks: every test's real outcome, both modes in the same run), then prints per family the tests
-collected / passed / failed / skipped in each mode, every test that passes unpatched but not patched (the
-contract: none) with the first line of its patched error, every test failing in both modes with its reason
-from ``tests/conformance/known_both_modes.py`` (or ``NOT LISTED``), the entries of that list that no longer
-fail in both modes, and the tests skipped in both modes grouped by skip reason.
+Runs ``tests/conformance/test_hf_model_tester.py`` and ``tests/conformance/test_packed_rows.py`` once with
+``HYBRID_PACK_CONFORMANCE_RAW=1`` (no expected-failure marks: every test's real outcome, both modes in the same
+run), then prints per family the tests collected / passed / failed / skipped in each mode and the outcome of its
+packed-row check, then: the families whose test classes could not be built, every test that passes unpatched but
+not patched (the contract: none) with the first line of its patched error, every test failing in both modes with
+its first error line and its reason from ``tests/conformance/known_both_modes.py`` (or ``NOT LISTED``), the listed
+tests that failed with another exception type or message than listed, the entries of that list that no longer
+fail in both modes, the packed-row failures, the families of ``FAMILIES`` without a tiny config, and the tests
+skipped in both modes grouped by skip reason.
 
 Usage (from the repository root)::
 
     .venv/bin/python scripts/conformance_table.py                 # the whole tier, pytest -n 2
-    .venv/bin/python scripts/conformance_table.py -k Bamba -n 0   # one family
+    .venv/bin/python scripts/conformance_table.py -k Bamba -n 0   # one family (class token or family key)
     .venv/bin/python scripts/conformance_table.py --junit R.xml   # an earlier run's JUnit XML (no run)
 
-Exit status: 0 when the contract holds and the list of both-mode failures is exact, 1 otherwise.
+Exit status: 0 when the contract holds, the list of both-mode failures is exact (types and messages included), every
+family builds, has a tiny config and passes its packed-row check; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -33,11 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS  # noqa: E402
-from tests.conformance.known_both_modes import reason_for  # noqa: E402
+from tests.conformance.known_both_modes import LISTED_OTHERWISE, reason_for  # noqa: E402
 
-TIER = "tests/conformance/test_hf_model_tester.py"
+TIER = ("tests/conformance/test_hf_model_tester.py", "tests/conformance/test_packed_rows.py")
 MODES = ("Unpatched", "Patched")
+PACKED = "Packed"          # the mode of test_packed_rows.py's test_packed_row_matches_batch_rows[<family>]
+COVERAGE = "Coverage"      # test_packed_rows.py's test_family_has_a_tiny_config[<FAMILIES name>]
 CLASS = re.compile(r"\.TestHF(?P<family>\w+?)(?P<mode>Unpatched|Patched)$")
+PARAMETRIZED = re.compile(r"^(?P<test>test_packed_row_matches_batch_rows|test_family_has_a_tiny_config)"
+                          r"\[(?P<key>.+)\]$")
+UNBUILDABLE = "test_family_builds"
 FAMILIES = {"".join(part.title() for part in family.split("_")): family for family in TINY_CONFIGS}
 RANK = {"failed": 3, "passed": 2, "xfailed": 1, "skipped": 0}
 
@@ -52,8 +61,14 @@ def outcomes(junit: Path) -> dict[tuple[str, str], dict[str, tuple[str, str]]]:
     than once (subtests) takes its worst outcome."""
     results: dict[tuple[str, str], dict[str, tuple[str, str]]] = defaultdict(dict)
     for case in ET.parse(junit).getroot().iter("testcase"):
-        match = CLASS.search(case.get("classname", ""))
-        if match is None or match["family"] not in FAMILIES:
+        match, name = CLASS.search(case.get("classname", "")), case.get("name", "")
+        parametrized = PARAMETRIZED.match(name)
+        if match is not None and match["family"] in FAMILIES:
+            family, mode = FAMILIES[match["family"]], match["mode"]
+        elif parametrized is not None:
+            packed = parametrized["test"] == "test_packed_row_matches_batch_rows"
+            family, mode, name = parametrized["key"], PACKED if packed else COVERAGE, parametrized["test"]
+        else:
             continue
         outcome, detail = "passed", ""
         for tag in ("failure", "error", "skipped"):
@@ -67,15 +82,14 @@ def outcomes(junit: Path) -> dict[tuple[str, str], dict[str, tuple[str, str]]]:
                 else:
                     outcome = "skipped"
                 break
-        bucket = results[(FAMILIES[match["family"]], match["mode"])]
-        name = case.get("name", "")
+        bucket = results[(family, mode)]
         if name not in bucket or RANK[outcome] > RANK[bucket[name][0]]:
             bucket[name] = (outcome, detail)
     return results
 
 
 def run(args: argparse.Namespace, junit: Path) -> float:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", str(args.path),
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", *args.path,
                f"--junitxml={junit}"]
     if args.n:
         command += ["-n", str(args.n)]
@@ -91,13 +105,23 @@ def run(args: argparse.Namespace, junit: Path) -> float:
 def report(results: dict[tuple[str, str], dict[str, tuple[str, str]]]) -> bool:
     """Print the table and the lists; whether the contract holds and the known list is exact."""
     ok = True
-    families = [family for family in TINY_CONFIGS if any((family, mode) in results for mode in MODES)]
+    families = [family for family in TINY_CONFIGS if any((family, mode) in results for mode in (*MODES, PACKED))]
     print("| family | unpatched: collected / passed / failed / skipped | patched: collected / passed / failed / "
-          "skipped | pass unpatched, not patched |")
-    print("|---|---|---|---|")
-    regressions, both_failed, stale, odd, skips = [], [], [], [], Counter()
+          "skipped | pass unpatched, not patched | packed row |")
+    print("|---|---|---|---|---|")
+    regressions, both_failed, otherwise, stale, odd, skips = [], [], [], [], [], Counter()
+    unbuildable, packed_failures = [], []
     for family in families:
         plain, patched = results.get((family, "Unpatched"), {}), results.get((family, "Patched"), {})
+        packed, packed_detail = results.get((family, PACKED), {}).get("test_packed_row_matches_batch_rows",
+                                                                      ("not run", ""))
+        if packed == "failed":
+            packed_failures.append(f"{family}: {packed_detail}")
+        broken = plain.get(UNBUILDABLE) or patched.get(UNBUILDABLE)
+        if broken is not None:
+            unbuildable.append(broken[1])
+            print(f"| {family} | not built | not built | - | {packed} |")
+            continue
         cells = []
         for mode in (plain, patched):
             count = Counter(outcome for outcome, _ in mode.values())
@@ -119,13 +143,22 @@ def report(results: dict[tuple[str, str], dict[str, tuple[str, str]]]) -> bool:
                 skips[p_detail] += 1
             elif p != q:
                 odd.append(f"{family}: {test}: unpatched {p} [{p_detail}], patched {q} [{q_detail}]")
+            for mode, outcome, detail in (("unpatched", p, p_detail), ("patched", q, q_detail)):
+                if outcome in failed and LISTED_OTHERWISE in detail:
+                    otherwise.append(f"{family}: {test} ({mode}): {detail}")
             if reason is not None and not (p in failed and q in failed) and "missing" not in (p, q):
                 stale.append(f"{family}: {test}: listed ({reason}) but unpatched {p}, patched {q}")
-        print(f"| {family} | {cells[0]} | {cells[1]} | {lost} |")
-    ok &= not regressions and not stale
-    sections = [("Pass unpatched, not patched (the contract: none)", regressions),
+        print(f"| {family} | {cells[0]} | {cells[1]} | {lost} | {packed} |")
+    uncovered = [tests["test_family_has_a_tiny_config"][1] for (_, mode), tests in results.items()
+                 if mode == COVERAGE and tests["test_family_has_a_tiny_config"][0] == "failed"]
+    ok &= not (regressions or otherwise or stale or unbuildable or packed_failures or uncovered)
+    sections = [("Families whose test classes could not be built", unbuildable),
+                ("Pass unpatched, not patched (the contract: none)", regressions),
                 ("Fail in both modes (expected: listed, strict xfail)", both_failed),
+                ("Listed in known_both_modes.py, failed with another exception type or message", otherwise),
                 ("Listed in known_both_modes.py but not failing in both modes", stale),
+                ("Packed row differs from the batch rows (test_packed_rows.py)", packed_failures),
+                ("Supported families (FAMILIES) without a tiny config, so not in the tier", uncovered),
                 ("Other differences between the modes", odd),
                 ("Skipped in both modes, by reason (tests x families)", [f"{n:4d}  {why}" for why, n in
                                                                           skips.most_common()])]
@@ -141,7 +174,7 @@ def main() -> int:
     parser.add_argument("--junit", type=Path, help="report an earlier run's JUnit XML instead of running")
     parser.add_argument("-n", default="2", help="pytest-xdist workers (0: none); default 2")
     parser.add_argument("-k", help="pytest -k expression, e.g. a family's class token: Bamba, Qwen3Next")
-    parser.add_argument("--path", default=TIER, help=f"the tier's test file (default {TIER})")
+    parser.add_argument("--path", nargs="+", default=list(TIER), help=f"the tier's test files (default {TIER})")
     parser.add_argument("--keep", type=Path, help="where to keep the JUnit XML of the run")
     args = parser.parse_args()
     if args.n == "0":

@@ -269,13 +269,20 @@ class PackedBoundaries:
         """From a :class:`~hybrid_pack.PackingCollator` output (or any dict with the same keys).
 
         Uses ``cu_seq_lens_q`` if present, else ``seq_idx``, else ``position_ids``, and checks that
-        every other boundary key present on the host agrees. ``num_pad_tokens`` is read when present.
+        every other boundary key present on the host agrees. 3-D ``position_ids`` (a vision-language model's
+        M-RoPE ids, ``[3, 1, T]``) are not boundaries: they are skipped, and another key must be given.
+        ``num_pad_tokens`` is read when present.
         A static batch (docs/api.md §9) gives the boundaries of the same documents without its static padding: its
         unused document slots (zero-length segments at the end of ``cu_seq_lens_q``) are left out.
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         NumPy arrays (``return_tensors="np"``) are read like CPU tensors.
         """
         num_pad = int(batch.get(NUM_PAD_TOKENS, 0) or 0)
+        if getattr(batch.get(POSITION_IDS), "ndim", 2) == 3:   # M-RoPE ids [3, 1, T] (§3b): not boundaries
+            if batch.get(CU_SEQ_LENS_Q) is None and batch.get(SEQ_IDX) is None:
+                raise BoundaryError(f"{POSITION_IDS}: 3-D (M-RoPE) position ids do not say where documents start; "
+                                    f"give {CU_SEQ_LENS_Q!r} or {SEQ_IDX!r} with them (PackingCollator does)")
+            batch = {key: value for key, value in batch.items() if key != POSITION_IDS}
         key = next((key for key in PRIMARY_BOUNDARY_KEYS if batch.get(key) is not None), None)
         if key is None:
             raise BoundaryError(f"batch: expected one of {', '.join(map(repr, PRIMARY_BOUNDARY_KEYS))} "

@@ -57,12 +57,18 @@ class StaticBoundaries:
 
     @classmethod
     def from_batch(cls, batch: Mapping[str, Any]) -> StaticBoundaries:
-        """From a collator batch's ``cu_seq_lens_q``, ``seq_idx`` and ``position_ids`` (no value is read)."""
+        """From a collator batch's ``cu_seq_lens_q``, ``seq_idx`` and ``position_ids`` (no value is read). 3-D
+        ``position_ids`` (a vision-language model's M-RoPE ids, §3b) are not the documents' positions: those are
+        computed from ``cu_seq_lens_q`` and ``seq_idx`` on the device."""
         missing = [key for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS) if batch.get(key) is None]
         if missing:
             raise BoundaryError(f"{missing[0]}: a compiled packed forward needs {CU_SEQ_LENS_Q}, {SEQ_IDX} and "
                                 f"{POSITION_IDS} (pass the whole PackingCollator batch)")
-        return cls(batch[CU_SEQ_LENS_Q], batch[SEQ_IDX], batch[POSITION_IDS])
+        cu_seqlens, seq_idx, position_ids = batch[CU_SEQ_LENS_Q], batch[SEQ_IDX], batch[POSITION_IDS]
+        if position_ids.dim() == 3:
+            starts = cu_seqlens.to(torch.int64)[seq_idx.to(torch.int64)]
+            position_ids = torch.arange(seq_idx.shape[1], device=seq_idx.device)[None] - starts
+        return cls(cu_seqlens, seq_idx, position_ids)
 
     @classmethod
     def from_boundaries(cls, boundaries: PackedBoundaries, max_documents: int) -> StaticBoundaries:

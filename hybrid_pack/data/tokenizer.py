@@ -1,4 +1,4 @@
-"""The bundled Qwen3 tokenizer, loaded offline."""
+"""The bundled Qwen3 tokenizer, loaded offline; and a model folder's own chat tokenizer."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+from hybrid_pack.errors import InputError
 
-__all__ = ["QWEN3_DIR", "load_hf_tokenizer", "load_tokenizer", "save_tokenizer"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = ["QWEN3_DIR", "TOKENIZER_FILES", "has_tokenizer", "load_chat_tokenizer", "load_hf_tokenizer",
+           "load_tokenizer", "save_tokenizer"]
 
 QWEN3_DIR = Path(__file__).resolve().parent / "assets" / "qwen3"
 """``tokenizer.json.gz`` (151,643 BPE tokens + 26 added tokens) and ``tokenizer_config.json``."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""The files of which a folder holding a tokenizer has one (``save_pretrained`` writes them)."""
 
 
 @functools.cache
@@ -54,3 +60,32 @@ def load_hf_tokenizer() -> PreTrainedTokenizerFast:
     with tempfile.TemporaryDirectory(prefix="hybrid_pack_qwen3_") as folder:
         save_tokenizer(folder)
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def has_tokenizer(directory: str | PathLike[str]) -> bool:
+    """Whether ``directory`` holds a saved tokenizer (one of :data:`TOKENIZER_FILES`)."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_chat_tokenizer(directory: str | PathLike[str]) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(directory)`` (offline), checked to hold a chat template.
+
+    Args:
+        directory: a folder holding a tokenizer saved with ``save_pretrained`` (a model checkpoint's, or one alone).
+
+    Raises:
+        InputError: no tokenizer there, or no chat template.
+    """
+    from transformers import AutoTokenizer
+
+    if not has_tokenizer(directory):
+        raise InputError(f"tokenizer: {str(directory)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         f"save one there with tokenizer.save_pretrained, or name a folder that has one")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise InputError(f"tokenizer: AutoTokenizer.from_pretrained({str(directory)!r}) failed: {err}") from err
+    if not tokenizer.chat_template:
+        raise InputError(f"tokenizer: the tokenizer in {str(directory)!r} has no chat template; set "
+                         f"tokenizer.chat_template and save it there (chat_template.jinja)")
+    return tokenizer

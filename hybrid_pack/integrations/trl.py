@@ -1,6 +1,7 @@
 """TRL's ``SFTTrainer`` with packed batches that never mix documents: :class:`PackedSFTTrainer` (and
 TRL's ``GRPOTrainer`` scoring completions on packed rows: :class:`PackedGRPOTrainer`, in :mod:`.trl_grpo`; TRL's
-``DPOTrainer`` scoring chosen and rejected sequences on packed rows: :class:`PackedDPOTrainer`, in :mod:`.trl_dpo`).
+``DPOTrainer`` scoring chosen and rejected sequences on packed rows: :class:`PackedDPOTrainer`, in :mod:`.trl_dpo`;
+TRL's ``RLOOTrainer`` likewise: :class:`PackedRLOOTrainer`, in :mod:`.trl_rloo`).
 
 One line changes in a TRL script::
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.trainer import PackedBatches
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.schema import INPUT_IDS, LABELS
+from hybrid_pack.schema import INPUT_IDS, LABELS, POSITION_IDS
 
 try:
     import accelerate  # noqa: F401  (imported first: trl's lazy imports would wrap a missing one in a RuntimeError)
@@ -42,9 +45,11 @@ except ImportError as err:
 
 from hybrid_pack.integrations.trl_dpo import PackedDPOTrainer
 from hybrid_pack.integrations.trl_grpo import TESTED_TRL, PackedGRPOTrainer
+from hybrid_pack.integrations.trl_rloo import PackedRLOOTrainer
+from hybrid_pack.integrations.trl_vlm import VisionLanguagePackingCollator, vision_packing_collator
 
-__all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedRowsCollator", "PackedSFTTrainer", "TESTED_TRL",
-           "TRL_SEQ_LENGTHS"]
+__all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedRLOOTrainer", "PackedRowsCollator", "PackedSFTTrainer",
+           "TESTED_TRL", "TRL_SEQ_LENGTHS"]
 
 TRL_SEQ_LENGTHS = "seq_lengths"
 """TRL's dataset column listing the lengths of the documents its packing put in one row."""
@@ -115,6 +120,12 @@ class PackedSFTTrainer(PackedBatches, SFTTrainer):
             ``per_device_train_batch_size`` rows (TRL's packed rows with ``packing=True``) becomes one
             packed row.
         *args, **kwargs: as for ``trl.SFTTrainer``.
+
+    A vision dataset (``image`` / ``images`` columns, a processor as ``processing_class``; TRL's defaults
+    ``packing=False``, ``padding_free=False``): each batch of ``per_device_train_batch_size`` examples is processed
+    one example at a time by TRL's own collator and packed into one row
+    (:class:`~hybrid_pack.integrations.trl_vlm.VisionLanguagePackingCollator`), with M-RoPE positions per example
+    for a model that has them (``data_collator`` then needs ``position_ids_fn``).
     """
 
     def __init__(self, *args: Any, capacity: int | None = None, **kwargs: Any) -> None:
@@ -123,18 +134,39 @@ class PackedSFTTrainer(PackedBatches, SFTTrainer):
             raise InputError(f"data_collator: PackedSFTTrainer collates with hybrid_pack.PackingCollator; got "
                              f"{type(collator).__name__} (pass a PackingCollator, or leave data_collator unset)")
         super().__init__(*args, **kwargs)
+        if capacity is not None and self._is_vision_dataset:
+            raise InputError("capacity: TRL turns a vision dataset's images into pixels batch by batch, so no "
+                             "example's length is known up front; leave capacity unset (each batch of "
+                             "per_device_train_batch_size examples becomes one packed row)")
         if capacity is not None and self.args.packing:
             raise InputError("capacity: hybrid_pack packs the examples itself; set packing=False in SFTConfig "
                              "(packing=True packs them with TRL first)")
         if capacity is not None and not isinstance(self.train_dataset, Dataset):
             raise InputError(f"capacity: packing needs every example's length up front; got a "
                              f"{type(self.train_dataset).__name__} (pass a datasets.Dataset, or use packing=True)")
-        self.data_collator = self.packing_collator = PackedRowsCollator(collator)
+        if self._is_vision_dataset:
+            self.data_collator = self.packing_collator = VisionLanguagePackingCollator(
+                self.data_collator, vision_packing_collator(self.model, collator))
+        else:
+            self.data_collator = self.packing_collator = PackedRowsCollator(collator)
         patch_model(self.model)
         if capacity is not None:
             self.use_packed_sampler(PackedBatchSampler([len(ids) for ids in self.train_dataset[INPUT_IDS]], capacity,
                                                        num_replicas=self.args.world_size, rank=None,
                                                        seed=self.args.seed))
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """TRL's loss. TRL counts a padding-free row's tokens (its ``num_tokens`` metric) as ``position_ids.size(1)``,
+        which is 1 for M-RoPE positions ``[3, 1, T]``: such a row counts ``T`` here."""
+        counted = self._total_train_tokens
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        positions = inputs.get(POSITION_IDS)
+        if self.model.training and positions is not None and positions.dim() == 3:
+            tokens = torch.tensor(positions.shape[-1], device=positions.device)
+            tokens = self.accelerator.gather_for_metrics(tokens).sum().item()
+            self._total_train_tokens = counted + tokens // self._tp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return loss
 
     def _set_signature_columns_if_needed(self) -> None:
         """Keep the collator's extra per-token columns too (TRL keeps ``input_ids``, ``labels``, ``seq_lengths``)."""

@@ -13,6 +13,9 @@ micro-batch's real prompt + completion tokens with :func:`~hybrid_pack.packing.p
 ``packing_capacity`` tokens (default: one row), runs TRL's own fused LM head on each row (same temperature, same
 float32 log-softmax kernel), and scatters the log-probabilities (and entropies) back into TRL's ``[B, C]`` layout,
 zero where TRL's are zero. Generation, rewards, advantages, the loss and the optimizer step are TRL's, untouched.
+Under ``torch.distributed`` the ranks agree on the row count of each call and pad with padding rows, so every rank
+makes as many forwards (FSDP2 and ZeRO-3 gather parameters per forward). :class:`PackedLogProbs` holds the override;
+TRL's ``RLOOTrainer`` has the same method (:mod:`.trl_rloo`).
 
 The overridden method is private, so the TRL releases it was tested against are pinned (:data:`TESTED_TRL`);
 the trainer refuses any other release at construction rather than risk a silent mismatch.
@@ -20,11 +23,14 @@ the trainer refuses any other release at construction rather than risk a silent 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
 import torch
 
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.distributed import agree_max, distributed
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.trainer import SettlesBackendsAfterFirstStep
@@ -34,6 +40,7 @@ from hybrid_pack.schema import (
     CU_SEQ_LENS_Q,
     IGNORE_INDEX,
     INPUT_IDS,
+    LABELS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     NUM_PAD_TOKENS,
@@ -52,7 +59,7 @@ try:
 except ImportError as err:
     raise MissingExtraError("PackedGRPOTrainer", "trl", err) from err
 
-__all__ = ["PackedGRPOTrainer", "TESTED_TRL", "refuse_untested_trl"]
+__all__ = ["PackedGRPOTrainer", "PackedLogProbs", "TESTED_TRL", "refuse_untested_trl"]
 
 TESTED_TRL = ((1, 16), (1, 17))
 """``[lower, upper)`` of the TRL releases :class:`PackedGRPOTrainer` is tested with (1.16.x): it overrides
@@ -82,12 +89,12 @@ def refuse_untested_trl(trainer: str, relies_on: str) -> None:
                          "release: pip install 'hybrid_pack[trl]' (trl==1.16.0)")
 
 
-def _check_trl_version() -> None:
-    relies_on = f"GRPOTrainer.{_OVERRIDDEN} (overridden)"
-    refuse_untested_trl("PackedGRPOTrainer", relies_on)
-    parameters = tuple(inspect.signature(getattr(GRPOTrainer, _OVERRIDDEN, None) or (lambda: None)).parameters)
+def _check_trl_version(trainer: str, base: type) -> None:
+    relies_on = f"{base.__name__}.{_OVERRIDDEN} (overridden)"
+    refuse_untested_trl(trainer, relies_on)
+    parameters = tuple(inspect.signature(getattr(base, _OVERRIDDEN, None) or (lambda: None)).parameters)
     if parameters[:len(_EXPECTED_PARAMETERS)] != _EXPECTED_PARAMETERS:
-        raise InputError(f"trl: PackedGRPOTrainer relies on {relies_on}, whose parameters changed in this trl "
+        raise InputError(f"trl: {trainer} relies on {relies_on}, whose parameters changed in this trl "
                          f"{trl.__version__}: {parameters}. Install the tested release: pip install 'hybrid_pack[trl]'")
 
 
@@ -121,39 +128,57 @@ def _load_balancing_loss(hf_model: torch.nn.Module, router_logits: tuple[torch.T
     return load_balancing_loss_func(router_logits, num_experts, text_config.num_experts_per_tok, None)
 
 
-class PackedGRPOTrainer(SettlesBackendsAfterFirstStep, GRPOTrainer):
-    """``trl.GRPOTrainer`` computing every per-token log-probability on packed rows.
+@dataclasses.dataclass
+class _PackedChunk:
+    """One TRL chunk of ``size`` sequences on packed rows: each row's model inputs (on the CPU), the positions of
+    the fused head's output to read (``reads``: ``t - 1`` for token ``t``, the head shifts the labels) and where
+    each read goes in the chunk's flat ``[size * logits_to_keep]`` layout (``targets``). No row: no real token."""
 
-    Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if
-    any) is patched with :func:`~hybrid_pack.integrations.transformers.patch_model` once TRL has wrapped it
-    (PEFT) and given it its fused LM head. Only ``_get_per_token_logps_and_entropies`` is overridden: the
-    policy's forward in the loss, the old policy's and the reference model's forwards run on packed rows of the
-    micro-batch's real prompt + completion tokens; their results come back in TRL's ``[B, C]`` layout.
-    Completion tokens TRL masks (padding; truncated completions with ``mask_truncated_completions``) get 0, as
-    in TRL; TRL's ``tool_mask`` is applied by TRL's loss, as before (the log-probabilities of tool output are
-    computed, then masked, exactly as TRL does).
+    size: int
+    rows: list[dict[str, Any]]
+    reads: list[torch.Tensor]
+    targets: list[torch.Tensor]
 
-    Args:
-        packing_capacity: tokens per packed row. Default (None): each micro-batch (TRL's chunk of
-            ``per_device_train_batch_size`` sequences) in one row. With a capacity, the rows are formed by
-            token budget, not by count: every sequence TRL scores in one call (all the generations for the old
-            policy's and the reference's log-probabilities) is packed best-fit-decreasing into as many rows of
-            at most ``packing_capacity`` tokens as it needs; a sequence longer than the capacity raises.
-        *args, **kwargs: as for ``trl.GRPOTrainer``.
 
-    Raises:
-        InputError: a TRL release other than :data:`TESTED_TRL`, a bad ``packing_capacity``; during training,
-            multimodal inputs (images, token type ids: text-only for now) or a sequence longer than
-            ``packing_capacity``.
+def _agreed_row_count(local: int) -> int:
+    """The most rows any rank runs in this log-probability call (one ``all_reduce`` MAX over the world, the
+    trainer's group, under ``torch.distributed`` with more than one rank); ``local`` on one process."""
+    return int(agree_max([local])[0]) if distributed() else local
+
+
+def _padding_row(token_id: int) -> dict[str, Any]:
+    """A row ``[1, 2]`` of the padding token, one document whose second token is its only target: it runs every
+    layer (and, under autograd, its backward) like any row and holds no real token."""
+    return {INPUT_IDS: torch.full((1, 2), token_id, dtype=torch.long),
+            LABELS: torch.tensor([[IGNORE_INDEX, token_id]], dtype=torch.long),
+            **PackedBoundaries.from_lengths([2]).hf_kwargs()}
+
+
+class PackedLogProbs:
+    """TRL's ``_get_per_token_logps_and_entropies`` on packed rows, for a TRL trainer that has it with TRL 1.16's
+    parameters (``GRPOTrainer``, ``RLOOTrainer``); mixed in before the trainer class, which :attr:`trl_trainer`
+    names.
+
+    Under ``torch.distributed`` every rank makes the same number of model forwards in each call: the row count is
+    agreed across ranks first (one ``all_reduce`` MAX) and a rank with fewer rows runs padding rows (two padding
+    tokens, their output discarded, tied to the result with weight 0 so the backward visits the same modules on
+    every rank). Parameter gathering per forward (FSDP2, ZeRO-3), DDP's buffer broadcast and the packing guard's
+    collectives then pair up across ranks whatever the local token counts; a chunk without a real token runs only
+    padding rows, when other ranks run rows.
     """
 
+    trl_trainer: type
+    """The TRL trainer class whose method is overridden (checked against :data:`TESTED_TRL` at construction)."""
+
     def __init__(self, *args: Any, packing_capacity: int | None = None, **kwargs: Any) -> None:
-        _check_trl_version()
+        _check_trl_version(type(self).__name__, self.trl_trainer)
         self.packing_capacity = _check_capacity(packing_capacity)
         super().__init__(*args, **kwargs)
         patch_model(self.model)
         if self.ref_model is not None:
             patch_model(self.accelerator.unwrap_model(self.ref_model))
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self.padding_token_id = getattr(tokenizer, "pad_token_id", None) or 0
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(
@@ -170,34 +195,38 @@ class PackedGRPOTrainer(SettlesBackendsAfterFirstStep, GRPOTrainer):
         """TRL's log-probabilities ``[B, logits_to_keep]`` of the completion tokens (and entropies, and the MoE
         auxiliary loss, when asked), computed on packed rows of the real tokens: per chunk of ``batch_size``
         sequences (TRL's chunks) by default; with ``packing_capacity``, rows of at most that many tokens over all
-        of the batch (TRL's chunks kept only for the MoE auxiliary loss)."""
+        of the batch (TRL's chunks kept only for the MoE auxiliary loss). As many forwards on every rank."""
         given = sorted(name for name, value in multimodal.items() if value is not None)
         if given:
-            raise InputError(f"{', '.join(given)}: PackedGRPOTrainer packs text-only batches; multimodal inputs are "
-                             "not supported (use trl.GRPOTrainer for vision-language models)")
+            raise InputError(f"{', '.join(given)}: {type(self).__name__} packs text-only batches; multimodal inputs "
+                             f"are not supported (use trl.{self.trl_trainer.__name__} for vision-language models)")
         batch_size = batch_size or input_ids.size(0)
         if self.packing_capacity is not None and not compute_aux_loss:
             # The token budget, not TRL's count of sequences, forms the rows: the whole batch TRL passes (all the
             # generations, for the old policy's and the reference's log-probabilities) packed into rows of
             # packing_capacity tokens. A MoE auxiliary loss keeps TRL's chunks, over which TRL averages it.
             batch_size = input_ids.size(0)
+        chunks = [self._pack_chunk(input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
+                                   logits_to_keep) for start in range(0, input_ids.size(0), batch_size)]
+        local_rows = sum(len(chunk.rows) for chunk in chunks)
+        padding_rows = _agreed_row_count(local_rows) - local_rows    # agreed before any forward
         all_logps, all_entropies, all_aux_losses = [], [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            end = min(start + batch_size, input_ids.size(0))
-            logps, entropies, aux_loss = self._packed_logps(model, input_ids[start:end], attention_mask[start:end],
-                                                            logits_to_keep, compute_entropy, compute_aux_loss)
+        for chunk in chunks:
+            logps, entropies, aux_loss = self._score_chunk(model, chunk, input_ids.device, logits_to_keep,
+                                                           compute_entropy, compute_aux_loss)
             all_logps.append(logps)
             all_entropies.append(entropies)
             all_aux_losses.append(aux_loss)
         logps = torch.cat(all_logps, dim=0)
+        if padding_rows:
+            logps = logps + self._run_padding_rows(model, padding_rows, input_ids.device)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux_losses).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
 
-    def _packed_logps(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One TRL chunk: strip, pack, run the fused LM head on each row, scatter back to ``[B, C]``."""
+    def _pack_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    logits_to_keep: int) -> _PackedChunk:
+        """One TRL chunk, stripped of its padding and packed (host work only: no forward, no collective)."""
         rows, width = input_ids.shape
         prompt_width = width - logits_to_keep
         ids, real = input_ids.detach().cpu(), attention_mask.detach().cpu().bool()
@@ -218,8 +247,9 @@ class PackedGRPOTrainer(SettlesBackendsAfterFirstStep, GRPOTrainer):
             samples.append(b)
             columns.append(completion_columns)
             scored_counts.append(completion_columns.numel())
+        chunk = _PackedChunk(size=rows, rows=[], reads=[], targets=[])
         if not samples:
-            return self._empty(input_ids, logits_to_keep, compute_entropy, compute_aux_loss)
+            return chunk
 
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         capacity = self.packing_capacity or sum(lengths)
@@ -228,56 +258,76 @@ class PackedGRPOTrainer(SettlesBackendsAfterFirstStep, GRPOTrainer):
             raise InputError(f"packing_capacity: sequence {samples[i]} of the micro-batch has {lengths[i]} real "
                              f"prompt + completion tokens, more than packing_capacity={capacity}; raise "
                              "packing_capacity to at least max_prompt_length + max_completion_length")
-        batches = pack_rollouts(prompts, responses, capacity)
-
-        device = input_ids.device
         sample_rows = torch.tensor(samples, dtype=torch.long)
         prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         counts = torch.tensor(scored_counts, dtype=torch.long)
         column_offsets = torch.cumsum(torch.cat([counts.new_zeros(1), counts[:-1]]), 0)
         flat_columns = torch.cat(columns).long()
+        for batch in pack_rollouts(prompts, responses, capacity):
+            sample = batch[SAMPLE_INDEX][0]
+            local = sample.clamp(min=0)
+            positions = batch[POSITION_IDS][0].long()
+            # Score exactly the real completion tokens (never a document's first token: no cross-document
+            # target), as TRL's labels do.
+            offset = positions - prompt_lengths[local]
+            scored = (sample >= 0) & (batch[RESPONSE_MASK][0] == 1) & (positions > 0) & (offset < counts[local])
+            where = scored.nonzero().flatten()
+            local_scored = local[where]
+            column = flat_columns[column_offsets[local_scored] + offset[where]]
+            chunk.targets.append(sample_rows[local_scored] * logits_to_keep + column)
+            chunk.reads.append(where - 1)
+            chunk.rows.append({**{key: value for key, value in batch.items() if key in _MODEL_KEYS},
+                               LABELS: torch.where(scored, batch[INPUT_IDS][0], IGNORE_INDEX).unsqueeze(0)})
+        return chunk
+
+    def _score_chunk(self, model: torch.nn.Module, chunk: _PackedChunk, device: torch.device, logits_to_keep: int,
+                     compute_entropy: bool, compute_aux_loss: bool,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Run the fused LM head on each row of ``chunk``; its values scattered back to TRL's ``[size, C]``."""
+        if not chunk.rows:
+            return self._empty(chunk.size, logits_to_keep, device, compute_entropy, compute_aux_loss)
         hf_model = _hf_model(model, self.accelerator)
         router_logits: list[tuple[torch.Tensor, ...]] = []
         hook = (hf_model.base_model.register_forward_hook(lambda _m, _a, out: router_logits.append(out.router_logits))
                 if compute_aux_loss else None)
-        targets, logps, entropies = [], [], []
+        logps, entropies = [], []
         try:
-            for batch in batches:
-                sample = batch[SAMPLE_INDEX][0]
-                local = sample.clamp(min=0)
-                positions = batch[POSITION_IDS][0].long()
-                # Score exactly the real completion tokens (never a document's first token: no cross-document
-                # target), as TRL's labels do.
-                offset = positions - prompt_lengths[local]
-                scored = (sample >= 0) & (batch[RESPONSE_MASK][0] == 1) & (positions > 0) & (offset < counts[local])
-                where = scored.nonzero().flatten()
-                local_scored = local[where]
-                column = flat_columns[column_offsets[local_scored] + offset[where]]
-                targets.append(sample_rows[local_scored] * logits_to_keep + column)
-                labels = torch.where(scored, batch[INPUT_IDS][0], IGNORE_INDEX).unsqueeze(0)
-                inputs = {key: (value.to(device) if isinstance(value, torch.Tensor) else value)
-                          for key, value in batch.items() if key in _MODEL_KEYS}
-                if compute_aux_loss:
-                    inputs["output_router_logits"] = True
-                with self.accelerator.autocast():
-                    outputs = model(**inputs, labels=labels.to(device), fused_lm_head=True)
-                # log_probs[:, t - 1] is the log-probability of token t (the head shifts the labels)
-                where_out = (where - 1).to(device)
-                logps.append(outputs.log_probs[0, where_out])
+            for row, read in zip(chunk.rows, chunk.reads, strict=True):
+                outputs = self._fused_forward(model, row, device, output_router_logits=compute_aux_loss)
+                read = read.to(device)
+                logps.append(outputs.log_probs[0, read])
                 if compute_entropy:
-                    entropies.append(outputs.entropy[0, where_out])
+                    entropies.append(outputs.entropy[0, read])
         finally:
             if hook is not None:
                 hook.remove()
 
-        target = torch.cat(targets).to(device)
-        logps = self._scatter(torch.cat(logps), target, rows, logits_to_keep)
-        entropies = self._scatter(torch.cat(entropies), target, rows, logits_to_keep) if compute_entropy else None
+        target = torch.cat(chunk.targets).to(device)
+        logps = self._scatter(torch.cat(logps), target, chunk.size, logits_to_keep)
+        entropies = (self._scatter(torch.cat(entropies), target, chunk.size, logits_to_keep) if compute_entropy
+                     else None)
         aux_loss = None
         if compute_aux_loss:
             per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits, strict=True))
             aux_loss = _load_balancing_loss(hf_model, per_layer)
         return logps, entropies, aux_loss
+
+    def _fused_forward(self, model: torch.nn.Module, row: dict[str, Any], device: torch.device, *,
+                       output_router_logits: bool = False) -> Any:
+        """``model(**row, fused_lm_head=True)`` under the accelerator's autocast, ``row`` moved to ``device``."""
+        inputs = {key: (value.to(device) if isinstance(value, torch.Tensor) else value) for key, value in row.items()}
+        if output_router_logits:
+            inputs["output_router_logits"] = True
+        with self.accelerator.autocast():
+            return model(**inputs, fused_lm_head=True)
+
+    def _run_padding_rows(self, model: torch.nn.Module, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` forwards of a padding row; their log-probabilities times 0 (a 0-d tensor: adding it changes
+        no value, and under autograd each padding row's backward runs with the real rows')."""
+        tie = torch.zeros((), device=device)
+        for _ in range(count):
+            tie = tie + self._fused_forward(model, _padding_row(self.padding_token_id), device).log_probs.sum() * 0
+        return tie
 
     @staticmethod
     def _scatter(values: torch.Tensor, target: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
@@ -285,9 +335,39 @@ class PackedGRPOTrainer(SettlesBackendsAfterFirstStep, GRPOTrainer):
         return values.new_zeros(rows * columns).index_put((target,), values).view(rows, columns)
 
     @staticmethod
-    def _empty(input_ids: torch.Tensor, logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool,
+    def _empty(rows: int, logits_to_keep: int, device: torch.device, compute_entropy: bool, compute_aux_loss: bool,
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A chunk without a single real token: zeros, as TRL's head returns on an all-padding batch."""
-        zeros = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
-        aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
+        zeros = torch.zeros(rows, logits_to_keep, device=device)
+        aux = torch.zeros((), device=device) if compute_aux_loss else None
         return zeros, zeros.clone() if compute_entropy else None, aux
+
+
+class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, GRPOTrainer):
+    """``trl.GRPOTrainer`` computing every per-token log-probability on packed rows.
+
+    Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if
+    any) is patched with :func:`~hybrid_pack.integrations.transformers.patch_model` once TRL has wrapped it
+    (PEFT) and given it its fused LM head. Only ``_get_per_token_logps_and_entropies`` is overridden: the
+    policy's forward in the loss, the old policy's and the reference model's forwards run on packed rows of the
+    micro-batch's real prompt + completion tokens; their results come back in TRL's ``[B, C]`` layout.
+    Completion tokens TRL masks (padding; truncated completions with ``mask_truncated_completions``) get 0, as
+    in TRL; TRL's ``tool_mask`` is applied by TRL's loss, as before (the log-probabilities of tool output are
+    computed, then masked, exactly as TRL does). Every rank makes as many model forwards per call
+    (:class:`PackedLogProbs`).
+
+    Args:
+        packing_capacity: tokens per packed row. Default (None): each micro-batch (TRL's chunk of
+            ``per_device_train_batch_size`` sequences) in one row. With a capacity, the rows are formed by
+            token budget, not by count: every sequence TRL scores in one call (all the generations for the old
+            policy's and the reference's log-probabilities) is packed best-fit-decreasing into as many rows of
+            at most ``packing_capacity`` tokens as it needs; a sequence longer than the capacity raises.
+        *args, **kwargs: as for ``trl.GRPOTrainer``.
+
+    Raises:
+        InputError: a TRL release other than :data:`TESTED_TRL`, a bad ``packing_capacity``; during training,
+            multimodal inputs (images, token type ids: text-only for now) or a sequence longer than
+            ``packing_capacity``.
+    """
+
+    trl_trainer = GRPOTrainer

@@ -5,7 +5,7 @@ The backends' self-check (``ops/dispatch/selfcheck.py``), the context-parallel c
 (``ops/dispatch/cp_check.py``), the harness (``testing/isolation.py``), the training-step check
 (``testing/training_step.py``) and the runtime guard (``testing/guard.py``) are built on it. It sits just
 above the boundaries in the data flow (docs/architecture.md): it imports ``hybrid_pack.boundaries``,
-``hybrid_pack.errors`` and torch only.
+``hybrid_pack.errors``, the key names of ``hybrid_pack.schema`` and torch only.
 """
 
 from hybrid_pack.isolation.compare import Mismatch, assert_gradient_inside, compare, leaked_gradient, relative_error
@@ -21,8 +21,10 @@ from hybrid_pack.isolation.layouts import (
     short_document_layout,
 )
 from hybrid_pack.isolation.tolerance import GRADIENT_FACTOR, TOLERANCE, least_precise, tolerance_for
+from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 
 __all__ = ["TOLERANCE", "GRADIENT_FACTOR", "least_precise", "tolerance_for",
            "Mismatch", "relative_error", "compare", "leaked_gradient", "assert_gradient_inside",
            "Layout", "adversarial_layouts", "model_geometry", "selfcheck_layout", "adversarial_cp_row",
-           "REAL_TOKENS", "real_size_layout", "short_document_layout", "one_document_layout"]
+           "REAL_TOKENS", "real_size_layout", "short_document_layout", "one_document_layout",
+           "VISION_INPUT_KEYS", "document_vision_inputs"]

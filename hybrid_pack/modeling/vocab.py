@@ -7,6 +7,9 @@ every other id to compact id 0 (``<unk>``). It belongs to the data side: remap `
 ``labels`` before collating, and map generated ids back with :meth:`VocabRemap.decode`.
 The ignore index ``-100`` passes through unchanged. :func:`expand_vocabulary` gives a model trained on
 compact ids the tokenizer's ids back, so it is saved and used like any other.
+
+Only models trained in the bundled Qwen3 tokenizer's ids (presets, configs without weights) go through it: a
+saved checkpoint trains in its own tokenizer's ids, untouched (``hybrid-pack train --model DIR``).
 """
 
 from __future__ import annotations

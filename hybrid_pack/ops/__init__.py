@@ -8,8 +8,12 @@ the op's self-check contract; ``dispatch/`` chooses the backend of each call (do
 
 from hybrid_pack.ops.attention import varlen_attention
 from hybrid_pack.ops.conv import causal_conv1d
+from hybrid_pack.ops.decay_linear_attention import decay_linear_attention
 from hybrid_pack.ops.gated_delta import gated_delta_rule
+from hybrid_pack.ops.kda import kda
 from hybrid_pack.ops.linear_cross_entropy import linear_cross_entropy
+from hybrid_pack.ops.selective_scan import selective_scan
 from hybrid_pack.ops.ssd import mamba2_ssd
 
-__all__ = ["varlen_attention", "causal_conv1d", "gated_delta_rule", "mamba2_ssd", "linear_cross_entropy"]
+__all__ = ["varlen_attention", "causal_conv1d", "gated_delta_rule", "mamba2_ssd", "linear_cross_entropy", "kda",
+           "decay_linear_attention", "selective_scan"]

@@ -93,7 +93,7 @@ class PackedCustomOp:
     Args:
         name: the op's name in the library.
         tensors: the op's tensor arguments in order (``"bias?"``: optional).
-        options: schema of its other arguments, e.g. ``"bool causal, float softmax_scale"``.
+        options: schema of its other arguments, e.g. ``"bool causal, float softmax_scale"`` (``""``: none).
         eager: the public op.
         fake: its outputs' shapes (see :data:`Fake`; default: one output like the first input).
         state_input: index in ``tensors`` of the initial recurrent state, if the op has one.
@@ -108,7 +108,7 @@ class PackedCustomOp:
 
     def __post_init__(self) -> None:
         args = ", ".join(f"Tensor{'?' if t.endswith('?') else ''} {t.rstrip('?')}" for t in self.tensors)
-        common = f"{args}, Tensor cu_seqlens, {self.options}, str? backend"
+        common = ", ".join(part for part in (args, "Tensor cu_seqlens", self.options, "str? backend") if part)
         _LIBRARY.define(f"{self.name}({common}, bool requires_grad) -> Tensor[]")
         _LIBRARY.define(f"{self.name}_backward(Tensor?[] grads, {common}) -> Tensor[]")
         _LIBRARY.impl(self.name, self._forward, "CompositeExplicitAutograd")
@@ -120,7 +120,7 @@ class PackedCustomOp:
 
     @property
     def option_names(self) -> list[str]:
-        return [item.split()[-1] for item in self.options.split(",")]
+        return [item.split()[-1] for item in self.options.split(",") if item.strip()]
 
     def __call__(self, *tensors: torch.Tensor | None, cu_seqlens: torch.Tensor, backend: str | None,
                  requires_grad: bool, **options: Any) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybrid_pack.errors import InputError
+from hybrid_pack.multimodal import is_multimodal
 from hybrid_pack.schema import INPUT_IDS
 
 __all__ = ["SlicedDataset", "slice_example"]
@@ -34,6 +35,8 @@ def slice_example(example: Mapping[str, Any], start: int, stop: int, *,
 
     A field is per-token when it is a sequence (not a string), numpy array or tensor with as many
     entries as ``example[length_key]``; other fields (ids, scalars, text, metadata) are kept as they are.
+    A multimodal example (one with pixels or grids, docs/api.md §3b) is never cut: any slice but the whole
+    example raises :class:`~hybrid_pack.errors.InputError` (an image's placeholders and pixels go together).
     """
     if length_key not in example:
         raise InputError(f"{length_key}: expected the example to have this per-token field; "
@@ -42,6 +45,10 @@ def slice_example(example: Mapping[str, Any], start: int, stop: int, *,
     if not 0 <= start < stop <= length:
         raise InputError(f"start, stop: expected 0 <= start < stop <= {length} (the example's {length_key} length); "
                          f"got {start}, {stop}")
+    if (start, stop) != (0, length) and is_multimodal(example):
+        raise InputError(f"overflow: a multimodal example ({length} tokens, with pixels / grids) cannot be cut to "
+                         f"tokens [{start}, {stop}): that would cut through its images. Pass overflow='drop' "
+                         f"(counted) or 'error', or raise capacity to at least {length}")
     return {key: value[start:stop] if _is_per_token(value, length) else value for key, value in example.items()}
 
 

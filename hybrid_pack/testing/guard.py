@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import random
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -35,12 +37,14 @@ from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UncheckedError, UnsupportedModelError
 from hybrid_pack.isolation import relative_error
+from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 from hybrid_pack.ops.dispatch.selector import is_discovering
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
     BOUNDARY_KEYS,
+    CACHE_KEYS,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     INPUT_IDS,
@@ -50,6 +54,7 @@ from hybrid_pack.schema import (
     NUM_PAD_TOKENS,
     POSITION_IDS,
     SEQ_IDX,
+    USE_CACHE,
 )
 from hybrid_pack.testing.isolation import _logits, _origin, _record_calls, dtype_tolerance
 from hybrid_pack.testing.ranks import model_group
@@ -131,9 +136,11 @@ class PackingGuard:
 
     The guard's own calls run in eval mode under ``torch.no_grad()`` and leave the model's modes, the
     CPU and CUDA random states and the gradients as they were. Boundary keys must be passed by keyword
-    (``model(**batch)``), as every trainer does. A ``DistributedDataParallel`` model is guarded through
-    its ``module``; each rank checks its own rows. A sharded model costs each check two small collectives
-    (the run count, the verdict) beside the forwards' own.
+    (``model(**batch)``), as every trainer does. Generation is no training call: a call without gradient that
+    carries a cache or ``use_cache=True``, or runs inside transformers' ``generate``, is neither checked nor
+    counted (packed scoring under ``no_grad``, with no cache, is checked). A ``DistributedDataParallel`` model is
+    guarded through its ``module``; each rank checks its own rows. A sharded model costs each check two small
+    collectives (the run count, the verdict) beside the forwards' own.
     """
 
     def __init__(self, model: nn.Module, *, every: int = 100, documents: int = 3, action: str = "raise",
@@ -209,10 +216,12 @@ class PackingGuard:
             self._due = None
             return
         _refuse_context_parallel(kwargs.get(BOUNDARIES))
-        if not module.training or not _is_packed(args, kwargs):
+        if not module.training or _is_generation(kwargs):
             self._due, self._capture = None, False
-            if module.training:
-                self._count_unpacked(args, kwargs)
+            return
+        if not _is_packed(args, kwargs):
+            self._due, self._capture = None, False
+            self._count_unpacked(args, kwargs)
             return
         self._due = self.calls if self.calls % self.every == 0 else None
         self._capture = self._due is not None
@@ -456,6 +465,28 @@ def _is_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             and kwargs.get(ATTENTION_MASK) is None)
 
 
+def _is_generation(kwargs: dict[str, Any]) -> bool:
+    """Whether a call decodes rather than trains: it runs without gradient and carries a cache (``past_key_values``,
+    ``cache_params``, ``cache``) or ``use_cache=True``, or it runs without gradient inside transformers' generation
+    code (``generate``, ``generate_batch``: also their calls without a cache). Without gradient and without a cache,
+    outside generation (an RL trainer's log-probability scoring), a call trains; with gradient, a cache is a training
+    input (prefix tuning) and the call trains too. Reads flags only; walks the stack only for calls without gradient."""
+    if torch.is_grad_enabled():
+        return False
+    if kwargs.get(USE_CACHE) is True or any(kwargs.get(key) is not None for key in CACHE_KEYS):
+        return True
+    generation = sys.modules.get("transformers.generation")
+    if generation is None or generation.__file__ is None:
+        return False
+    folder = os.path.dirname(generation.__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(folder):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _positional(module: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
     """Positional arguments of a call, by the names of ``module.forward``'s parameters."""
     if not args:
@@ -503,7 +534,7 @@ def _document_batch(batch: Mapping[str, Any], boundaries: PackedBoundaries, star
     skipped = {NUM_PAD_TOKENS} if with_labels else {NUM_PAD_TOKENS, LABELS, NUM_ITEMS_IN_BATCH}
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if key in skipped:
+        if key in skipped or key in VISION_INPUT_KEYS:   # pixels and grids: the document's own, below
             continue
         if key == BOUNDARIES:
             out[key] = lone
@@ -513,7 +544,7 @@ def _document_batch(batch: Mapping[str, Any], boundaries: PackedBoundaries, star
             out[key] = value[:, start:start + length]
         else:
             out[key] = value
-    return out
+    return {**out, **document_vision_inputs(batch, start, length)}   # its pixels, grids, M-RoPE positions
 
 
 def _output_logits(output: Any) -> torch.Tensor | None:

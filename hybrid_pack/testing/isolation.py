@@ -25,6 +25,7 @@ another (forward leaks), or whose backward sends gradient across documents (back
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.errors import InputError, IsolationError
+from hybrid_pack.errors import InputError, IsolationError, UnsupportedModelError
 from hybrid_pack.isolation import (
     Layout,
     adversarial_layouts,
@@ -41,6 +42,16 @@ from hybrid_pack.isolation import (
     model_geometry,
     relative_error,
     tolerance_for,
+)
+from hybrid_pack.multimodal import PositionIdsFn
+from hybrid_pack.testing.multimodal import (
+    check_vision_layout,
+    given_vision_documents,
+    text_vocab_size,
+    vision_config,
+    vision_layouts,
+    vision_position_rule,
+    vision_samples,
 )
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
@@ -67,6 +78,44 @@ def _logits(output: Any) -> torch.Tensor:
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     raise InputError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
+
+
+def _run_batch(model: torch.nn.Module, batch: Mapping[str, Any], embeds_leaf: list[torch.Tensor] | None = None,
+               ) -> torch.Tensor:
+    """Outputs ``[T, D]`` (float) of one packed row given as a whole batch (a vision-language row: pixels, grids,
+    M-RoPE positions). With ``embeds_leaf``, the input embeddings ``[1, T, E]`` are made a leaf tensor that takes
+    gradient and appended to it."""
+
+    def leaf(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        embeds = output.detach().requires_grad_(True)
+        embeds_leaf.append(embeds)
+        return embeds
+
+    handle = None if embeds_leaf is None else model.get_input_embeddings().register_forward_hook(leaf)
+    try:
+        return _logits(model(**batch))[0].float()
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _vision_localisers(model: torch.nn.Module, atol: float) -> dict[str, Any]:
+    """The localisations of a vision-language row: forward (two batches, the tokens compared in each) and
+    backward (a loss and the other documents' tokens). Forward, the vision tower (the submodule whose config is
+    ``config.vision_config``) is left out: its outputs are per patch, not per token of the row, and a perturbed
+    document's new pixels change them by design."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    towers = tuple(f"{name}." for name, module in model.named_modules()
+                   if vision is not None and getattr(module, "config", None) is vision)
+
+    def recorded(batch: Mapping[str, Any]) -> list[_Call]:
+        with torch.no_grad(), _record_calls(model, batch["input_ids"].shape[1]) as calls:
+            _run_batch(model, batch)
+        return [call for call in calls if not (towers and f"{call.name}.".startswith(towers))]
+
+    return {"forward": lambda first, second, pick_first, pick_second: _origin(
+                recorded(first), recorded(second), pick_first, pick_second, atol),
+            "backward": lambda loss_fn, others: _first_backward_leak(model, loss_fn, others, others.shape[0])}
 
 
 def _run(model: torch.nn.Module, boundaries: PackedBoundaries, *, ids: torch.Tensor | None = None,
@@ -297,10 +346,11 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
 
 
 def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengths: Sequence[int] | None = None,
-                    documents: Sequence[Sequence[int]] | None = None, vocab_size: int | None = None,
-                    grads: bool = True, per_layer: bool = True, seed: int = 0, atol: float | None = None,
-                    grad_atol: float = 0.0, num_pad_tokens: int = 0, max_tokens: int = 512,
-                    progress: bool | None = None) -> IsolationReport:
+                    documents: Sequence[Sequence[int] | Mapping[str, Any]] | None = None,
+                    vocab_size: int | None = None, grads: bool = True, per_layer: bool = True, seed: int = 0,
+                    atol: float | None = None, grad_atol: float = 0.0, num_pad_tokens: int = 0,
+                    max_tokens: int = 512, progress: bool | None = None, multimodal: bool | None = None,
+                    position_ids_fn: PositionIdsFn | None = None) -> IsolationReport:
     """Check that ``model`` keeps the documents of a packed row apart.
 
     Given a ``transformers.Trainer`` (``trl.SFTTrainer`` included), or a model together with a real ``batch``,
@@ -315,8 +365,12 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
         batch: a real packed batch to run through the model (or the trainer) instead of random layouts.
         lengths: one layout of random documents with these lengths. Default: the adversarial layouts
             for the chunk sizes and conv widths the model uses.
-        documents: token ids of the documents to pack (overrides ``lengths``).
-        vocab_size: range of random token ids (default: ``model.config.vocab_size``).
+        documents: token ids of the documents to pack (overrides ``lengths``); or, for a vision-language model,
+            processor-style samples (dicts of ``input_ids``, ``mm_token_type_ids``, ``pixel_values``,
+            ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``; docs/api.md §3b), packed with
+            :class:`~hybrid_pack.PackingCollator` and ``position_ids_fn``, each checked against itself packed alone.
+        vocab_size: range of random token ids (default: ``model.config.vocab_size``; for a vision-language model, the
+            text vocabulary below its smallest vision token id).
         grads: run the gradient check (needs ``get_input_embeddings`` and ``inputs_embeds``).
         per_layer: localise a leak to the first leaking module.
         seed: seeds the random tokens and gradient weights.
@@ -326,6 +380,12 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
         num_pad_tokens: add a trailing padding segment to the ``lengths`` / ``documents`` layout.
         max_tokens: longest default layout.
         progress: a progress bar on stderr, one step per model run; default: when stderr is a terminal.
+        multimodal: also check the vision-language layouts (:func:`~hybrid_pack.testing.multimodal.vision_layouts`:
+            images at the row start, an image document across the middle, a text-only document between two image
+            documents), with random pixel values of valid grid sizes. Default: when the model's config names vision
+            tokens and a ``vision_config``; True on another model raises ``UnsupportedModelError``.
+        position_ids_fn: the per-sample position rule the vision-language rows are packed with (docs/api.md §3b);
+            default: the model's own M-RoPE rule when it has ``get_rope_index``, else restarting 1-D positions.
 
     Returns:
         An :class:`IsolationReport`; ``report.ok`` is the verdict.
@@ -339,11 +399,26 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None else torch.float32
     atol = dtype_tolerance(model, dtype, device) if atol is None else float(atol)
+    vision = vision_config(model) if multimodal is not False else None
+    if multimodal and vision is None:
+        raise UnsupportedModelError(f"multimodal: {type(model).__name__}'s config names no image_token_id, "
+                                    "vision_start_token_id, vision_end_token_id and vision_config (patch_size, "
+                                    "temporal_patch_size, spatial_merge_size, in_channels) to build samples from; "
+                                    "check your own samples with check_isolation(model, documents=[...])")
     if vocab_size is None:
-        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        config = getattr(model, "config", None)
+        text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        vocab_size = getattr(text_config, "vocab_size", None)
+        if vision is not None:
+            vocab_size = text_vocab_size(vision)
     if vocab_size is None and documents is None:
         raise InputError("vocab_size: the model has no config.vocab_size; pass vocab_size= (or documents=)")
-    if documents is not None:
+    samples = None if documents is None else given_vision_documents(documents)
+    vision_rows: list[tuple[str, list[dict[str, Any]], int | None]] = []
+    generator = torch.Generator().manual_seed(seed)
+    if samples is not None:
+        vision_rows, layouts = [("given documents", samples, None)], []
+    elif documents is not None:
         if not documents or any(len(d) == 0 for d in documents):
             raise InputError("documents: expected a non-empty list of non-empty token-id lists")
         layouts = [Layout("given documents", tuple(len(d) for d in documents), num_pad_tokens)]
@@ -355,15 +430,18 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     else:
         chunks, widths = model_geometry(model)
         layouts = adversarial_layouts(chunks, widths, max_tokens=max_tokens)
+    if vision is not None and samples is None:
+        vision_rows = [(lay.name, vision_samples(vision, lay, generator), lay.pad_to_multiple_of)
+                       for lay in vision_layouts(vision)]
     report = IsolationReport(model=type(model).__name__, dtype=str(dtype).removeprefix("torch."), atol=atol,
                              grad_atol=grad_atol, layouts=[])
     has_embeddings = hasattr(model, "get_input_embeddings")
     if grads and not has_embeddings:
         report.skipped.append("gradients: the model has no get_input_embeddings()")
-    generator = torch.Generator().manual_seed(seed)
     was_training = model.training
     runs = sum(1 + 2 * len(lay.lengths) + (1 + len(lay.lengths) if grads and has_embeddings else 0)
                for lay in layouts)
+    runs += sum(1 + 2 * len(row) + (1 + len(row) if grads and has_embeddings else 0) for _, row, _ in vision_rows)
     model.eval()
     try:
         with (_output_head_skipped(model) as skipped, tqdm(total=runs, desc="isolation check", unit="run",
@@ -375,6 +453,17 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
                 report.layouts.append(_check_layout(model, layout, int(vocab_size), generator, device, dtype,
                                                     documents=documents, grads=grads, per_layer=per_layer,
                                                     atol=atol, grad_atol=grad_atol, bar=bar))
+            if vision_rows:
+                rule = vision_position_rule(model, position_ids_fn)
+                text_vocab = text_vocab_size(vision) if vision is not None else int(vocab_size)
+                for name, row, pad_to_multiple_of in vision_rows:
+                    bar.set_postfix_str(name)
+                    report.layouts.append(check_vision_layout(
+                        model, name, row, pad_to_multiple_of=pad_to_multiple_of, position_ids_fn=rule,
+                        text_vocab=text_vocab, generator=generator, device=device, dtype=dtype,
+                        grads=grads and has_embeddings, per_layer=per_layer, atol=atol, grad_atol=grad_atol,
+                        run=functools.partial(_run_batch, model), localise=_vision_localisers(model, atol),
+                        step=bar.update))
     except Exception as err:  # a model that cannot take a packed batch is reported, not hidden
         report.error = f"{type(err).__name__}: {err}"
     finally:

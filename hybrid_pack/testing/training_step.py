@@ -34,6 +34,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError
 from hybrid_pack.isolation import leaked_gradient, relative_error
+from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 from hybrid_pack.schema import (
     BOUNDARY_KEYS,
     IGNORE_INDEX,
@@ -209,12 +210,13 @@ def _parameter_grads_kept(model: torch.nn.Module) -> Iterator[None]:
 
 def _document_batch(batch: Mapping[str, Any], start: int, length: int, t_len: int) -> dict[str, Any]:
     """One document of a packed batch as a batch of its own: every per-token ``[1, T, ...]`` tensor sliced,
-    the boundary keys the batch has rebuilt for a single document, no padding."""
+    the boundary keys the batch has rebuilt for a single document, no padding; a vision-language row's pixels,
+    grids and 3-D positions the document's own (:func:`~hybrid_pack.isolation.vision.document_vision_inputs`)."""
     tokens = batch.get(INPUT_IDS, batch.get(INPUTS_EMBEDS))
     alone = PackedBoundaries.from_lengths([length], device=tokens.device).hf_kwargs()
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if key == NUM_PAD_TOKENS:
+        if key == NUM_PAD_TOKENS or key in VISION_INPUT_KEYS:   # pixels and grids: the document's own, below
             continue
         if key in BOUNDARY_KEYS:
             out[key] = alone[key]
@@ -222,7 +224,7 @@ def _document_batch(batch: Mapping[str, Any], start: int, length: int, t_len: in
             out[key] = value[:, start:start + length]
         else:
             out[key] = value
-    return out
+    return {**out, **document_vision_inputs(batch, start, length)}   # its pixels, grids, M-RoPE positions
 
 
 def _labels_of_document(batch: Mapping[str, Any], start: int, length: int) -> dict[str, Any]:

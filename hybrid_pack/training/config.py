@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hybrid_pack.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES
 from hybrid_pack.parallel.boundaries import LAYOUTS
@@ -18,6 +19,9 @@ from hybrid_pack.training.reporting import REPORT_TARGETS, report_targets
 
 DEFAULT_GUARD_EVERY = 100
 """Packed micro-batches between two checks of the runtime guard (docs/guard.md: its cost at this N)."""
+
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+"""What the weights of a saved Hugging Face checkpoint are named (a model directory without them starts fresh)."""
 
 DTYPES = ("auto", "float32", "bfloat16")
 """``dtype``: ``"auto"`` is bf16 autocast where the device has it, else float32."""
@@ -29,7 +33,13 @@ class TrainConfig:
     (``dataclasses.fields(TrainConfig)``, or ``hybrid-pack train --help``)."""
 
     model: str = field(default="qwen3-next-tiny", metadata={
-        "help": "preset name or a local Hugging Face model directory"})
+        "help": "preset name or a local Hugging Face model directory (trained in its own tokenizer's ids)"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "a folder holding the tokenizer and chat template the chats are rendered with "
+                "(AutoTokenizer.from_pretrained), ids untouched; a --model directory's own when not given. A preset "
+                "or a config without weights and without a tokenizer: the bundled Qwen3 tokenizer, remapped to a "
+                "compact vocabulary when the model's is smaller",
+        "metavar": "PATH"})
     data: str = field(default="gsm8k", metadata={
         "help": "'gsm8k' (bundled) or a JSONL file of {'messages': [...]} chats"})
     out: str = field(default="runs/train", metadata={"help": "run directory (metrics.json, plots, checkpoint)"})
@@ -111,12 +121,30 @@ class TrainConfig:
                              f"{self.row_multiple} (the context-parallel size{zigzag}); got {self.capacity}")
         if self.data != "gsm8k" and not Path(self.data).is_file():
             raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
+        if self.tokenizer is not None and not has_tokenizer(self.tokenizer):
+            raise InputError(f"tokenizer: {self.tokenizer!r} is not a folder holding a tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); name the folder tokenizer.save_pretrained wrote")
+        model_dir = Path(self.model)
+        if (self.tokenizer is None and (model_dir / "config.json").is_file() and not has_tokenizer(model_dir)
+                and any(any(model_dir.glob(pattern)) for pattern in WEIGHT_FILES)):
+            raise InputError(f"model: {self.model!r} holds weights but no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); save the checkpoint's tokenizer there "
+                             f"(tokenizer.save_pretrained) or name its folder with --tokenizer PATH")
 
     @property
     def row_multiple(self) -> int:
         """What a packed row's length must divide by: the context-parallel size, twice it under the zigzag layout
         (each rank holds two of ``2 * N`` chunks)."""
         return self.context_parallel * (2 if self.context_parallel > 1 and self.cp_layout == "zigzag" else 1)
+
+    @property
+    def chat_tokenizer(self) -> str | None:
+        """The folder whose tokenizer and chat template render the chats: ``tokenizer``, else a model directory's
+        own when it holds one; None for the bundled Qwen3 tokenizer (a preset, or a config without weights and
+        without a tokenizer)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return self.model if (Path(self.model) / "config.json").is_file() and has_tokenizer(self.model) else None
 
     @property
     def out_dir(self) -> Path:

@@ -1,5 +1,8 @@
 """Training data: chats (or tokenized rows) -> features that fit a packed row, in the model's vocabulary.
 
+Chats are rendered and tokenized by a model's own tokenizer and chat template when there is one (ids untouched),
+else by the bundled Qwen3 tokenizer, remapped to a compact vocabulary for a model with fewer ids.
+
 Nothing is lost silently: :func:`prepare_data` counts every example cut to ``capacity``, split into
 pieces, or left out (with the reason) in a :class:`DataReport`, which ``hybrid-pack train`` writes to
 ``metrics.json`` and names in its summary.
@@ -10,16 +13,22 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from os import PathLike
+from typing import TYPE_CHECKING, Any
 
-from hybrid_pack.data import load_gsm8k, tokenize_chats
+from hybrid_pack.data import load_chat_tokenizer, load_gsm8k, tokenize_chats, tokenize_with_template
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling.vocab import VocabRemap
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES
 from hybrid_pack.packing.slicing import slice_example
 from hybrid_pack.schema import IGNORE_INDEX, INPUT_IDS, LABELS
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 TOKENIZER_VOCAB = 151_669
+BUNDLED_TOKENIZER = "qwen3 (bundled)"
+"""``DataReport.tokenizer`` when the bundled Qwen3 tokenizer made the ids."""
 
 DROP_REASONS = {
     "one_token": "one token (nothing to predict)",
@@ -31,7 +40,7 @@ DROP_REASONS = {
 
 def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any]]:
     """``"gsm8k"`` (bundled train split) or a JSONL file, one example per line: a chat
-    (``{"messages": [...]}``) or a tokenized example in the Qwen3 tokenizer's ids (``{"input_ids": [...]}``,
+    (``{"messages": [...]}``) or a tokenized example in the training tokenizer's ids (``{"input_ids": [...]}``,
     optionally ``"labels"``)."""
     if data == "gsm8k":
         chats = load_gsm8k("train")
@@ -55,7 +64,7 @@ def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any
 
 @dataclass
 class DataReport:
-    """What the data lost on the way to the packed rows.
+    """What the data lost on the way to the packed rows, and which tokenizer made its ids.
 
     Attributes:
         examples: examples read.
@@ -65,6 +74,7 @@ class DataReport:
         dropped_examples_by_reason: examples (or, under split, pieces) left out, by :data:`DROP_REASONS` key.
         examples_without_targets: of those, the ones of two or more tokens with no target token
             (``dropped_examples_by_reason["no_targets"]``).
+        tokenizer: the folder whose tokenizer made the ids, or :data:`BUNDLED_TOKENIZER`.
     """
 
     examples: int = 0
@@ -72,6 +82,7 @@ class DataReport:
     truncated_examples: int = 0
     split_examples: int = 0
     dropped_examples_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    tokenizer: str = BUNDLED_TOKENIZER
 
     @property
     def dropped_examples(self) -> int:
@@ -86,35 +97,48 @@ class DataReport:
                 "truncated_examples": self.truncated_examples, "split_examples": self.split_examples,
                 "dropped_examples": self.dropped_examples,
                 "dropped_examples_by_reason": dict(self.dropped_examples_by_reason),
-                "examples_without_targets": self.examples_without_targets}
+                "examples_without_targets": self.examples_without_targets, "tokenizer": self.tokenizer}
 
 
 @dataclass
 class TrainingData:
     """Features ready for the sampler and collator (``{"input_ids", "labels"}`` lists of ints, each at most
     ``capacity`` tokens with at least one target), the vocabulary remap (None when the model covers the
-    tokenizer's vocabulary) and what was lost on the way."""
+    tokenizer's vocabulary), what was lost on the way, and the model's own tokenizer (None: the bundled one)."""
 
     features: list[dict[str, list[int]]]
     remap: VocabRemap | None
     report: DataReport
+    tokenizer: PreTrainedTokenizerBase | None = None
 
 
-def prepare_data(rows: Sequence[dict[str, Any]], vocab_size: int, *, capacity: int,
-                 overflow: str = "error") -> TrainingData:
-    """Tokenize ``rows`` (chats in Qwen3 ChatML, prompts masked; tokenized rows as given), fit every example
-    to ``capacity`` as ``overflow`` says (:func:`~hybrid_pack.plan_packs`' policies: ``"error"``,
-    ``"truncate"``, ``"split"``, ``"drop"``), leave out the ones with nothing to learn from, and, for a model
-    with a smaller vocabulary than the tokenizer's, remap ids to the ``vocab_size - 1`` most frequent ones.
+def prepare_data(rows: Sequence[dict[str, Any]], vocab_size: int, *, capacity: int, overflow: str = "error",
+                 tokenizer: str | PathLike[str] | PreTrainedTokenizerBase | None = None) -> TrainingData:
+    """Tokenize ``rows`` (chats rendered, prompts masked; tokenized rows as given), fit every example to
+    ``capacity`` as ``overflow`` says (:func:`~hybrid_pack.plan_packs`' policies: ``"error"``, ``"truncate"``,
+    ``"split"``, ``"drop"``) and leave out the ones with nothing to learn from.
+
+    With ``tokenizer`` (a ``transformers`` tokenizer, or the folder ``AutoTokenizer.from_pretrained`` reads it
+    from: the model's own), chats are rendered by its chat template and its ids are kept as they are. Without,
+    chats are rendered as Qwen3 ChatML by the bundled Qwen3 tokenizer and, for a model with a smaller vocabulary,
+    remapped to the ``vocab_size - 1`` most frequent ids.
 
     Raises:
-        InputError: ``overflow="error"`` and an example is longer than ``capacity`` (the message names it).
+        InputError: ``overflow="error"`` and an example is longer than ``capacity`` (the message names it); with
+            ``tokenizer``, an id outside the model's ``vocab_size``.
     """
     if overflow not in OVERFLOW_POLICIES:
         raise InputError(f"overflow: expected one of {', '.join(map(repr, OVERFLOW_POLICIES))}; got {overflow!r}")
+    if isinstance(tokenizer, (str, PathLike)):
+        tokenizer = load_chat_tokenizer(tokenizer)
     report = DataReport(examples=len(rows))
+    if tokenizer is not None:
+        report.tokenizer = str(tokenizer.name_or_path)
     features = []
-    for index, example in enumerate(_tokenize(rows)):
+    examples = _tokenize(rows, tokenizer, vocab_size)
+    if tokenizer is not None:
+        _check_in_vocabulary(examples, vocab_size, report.tokenizer)
+    for index, example in enumerate(examples):
         for document in _fit(index, example, capacity, overflow, report):
             reason = _drop_reason(document)
             if reason is None:
@@ -124,31 +148,48 @@ def prepare_data(rows: Sequence[dict[str, Any]], vocab_size: int, *, capacity: i
     report.documents = len(features)
     if not features:
         raise InputError(f"data: no example left to train on ({report.dropped_examples_by_reason})")
-    if vocab_size >= TOKENIZER_VOCAB:
-        return TrainingData(features, None, report)
+    if tokenizer is not None or vocab_size >= TOKENIZER_VOCAB:
+        return TrainingData(features, None, report, tokenizer)
     remap = VocabRemap.from_corpus((f[INPUT_IDS] for f in features), size=vocab_size)
     return TrainingData([remap.encode_example(f) for f in features], remap, report)
 
 
-def build_features(chats: list[dict[str, Any]], vocab_size: int, *, max_length: int,
-                   overflow: str = "truncate") -> tuple[list[dict], VocabRemap | None]:
+def build_features(chats: list[dict[str, Any]], vocab_size: int, *, max_length: int, overflow: str = "truncate",
+                   tokenizer: str | PathLike[str] | PreTrainedTokenizerBase | None = None
+                   ) -> tuple[list[dict], VocabRemap | None]:
     """``(features, remap)`` of :func:`prepare_data` with ``capacity=max_length``; examples are cut to
     ``max_length`` unless ``overflow`` says otherwise. :func:`prepare_data` also counts what was lost."""
-    data = prepare_data(chats, vocab_size, capacity=max_length, overflow=overflow)
+    data = prepare_data(chats, vocab_size, capacity=max_length, overflow=overflow, tokenizer=tokenizer)
     return data.features, data.remap
 
 
-def _tokenize(rows: Sequence[dict[str, Any]]) -> list[dict[str, list[int]]]:
-    """Chats rendered and tokenized in one batch; tokenized rows checked and kept, in the order given."""
+def _tokenize(rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase | None,
+              vocab_size: int) -> list[dict[str, list[int]]]:
+    """Chats rendered and tokenized in one batch (by ``tokenizer``'s chat template, or as Qwen3 ChatML);
+    tokenized rows checked (Qwen3 ids, or with ``tokenizer`` ids below the model's ``vocab_size``) and kept, in
+    the order given."""
     chats = [i for i, row in enumerate(rows) if INPUT_IDS not in row]
-    tokenized = dict(zip(chats, tokenize_chats([rows[i] for i in chats]), strict=True))
-    return [tokenized[i] if i in tokenized else _tokenized_row(i, row) for i, row in enumerate(rows)]
+    chat_rows = [rows[i] for i in chats]
+    features = tokenize_chats(chat_rows) if tokenizer is None else tokenize_with_template(chat_rows, tokenizer)
+    tokenized = dict(zip(chats, features, strict=True))
+    ids = ("Qwen3 token ids", TOKENIZER_VOCAB) if tokenizer is None else ("ids of the model's vocabulary", vocab_size)
+    return [tokenized[i] if i in tokenized else _tokenized_row(i, row, *ids) for i, row in enumerate(rows)]
 
 
-def _tokenized_row(index: int, row: dict[str, Any]) -> dict[str, list[int]]:
+def _check_in_vocabulary(examples: Sequence[dict[str, list[int]]], vocab_size: int, tokenizer: str) -> None:
+    """Every id of ``examples`` (in ``tokenizer``'s ids) is a row of the model's embedding."""
+    for index, example in enumerate(examples):
+        largest = max(example[INPUT_IDS], default=0)
+        if largest >= vocab_size:
+            raise InputError(f"tokenizer: example {index} holds id {largest} of the tokenizer in {tokenizer!r}, "
+                             f"outside the model's vocabulary of {vocab_size} ids (config.vocab_size); give the "
+                             f"model the tokenizer it was trained with (--tokenizer PATH)")
+
+
+def _tokenized_row(index: int, row: dict[str, Any], which: str, vocab: int) -> dict[str, list[int]]:
     ids, labels = row[INPUT_IDS], row.get(LABELS, row[INPUT_IDS])
-    if not all(isinstance(t, int) and 0 <= t < TOKENIZER_VOCAB for t in ids):
-        raise InputError(f"data[{index}].{INPUT_IDS}: expected Qwen3 token ids (ints in [0, {TOKENIZER_VOCAB}))")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        raise InputError(f"data[{index}].{INPUT_IDS}: expected {which} (ints in [0, {vocab}))")
     if len(labels) != len(ids):
         raise InputError(f"data[{index}].{LABELS}: expected {len(ids)} labels (one per input id); got {len(labels)}")
     return {INPUT_IDS: list(ids), LABELS: list(labels)}

@@ -165,7 +165,8 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
     metrics.update(_packed_metrics(model, stats, sampler, lengths, cfg, proc))
     exported = unsharded_model(model, lambda: build_model(cfg), proc.rank) if cfg.fsdp else model
     if proc.rank == 0:
-        metrics.update(save_trained_model(exported, data.remap, proc.out / MODEL_DIR, TOKENIZER_VOCAB))
+        metrics.update(save_trained_model(exported, data.remap, proc.out / MODEL_DIR, TOKENIZER_VOCAB,
+                                          data.tokenizer))
     if cfg.compile:
         metrics["compiles"], metrics["recompiles"] = stats.compiles, stats.recompiles
     padded_stats = None
@@ -226,7 +227,7 @@ def _load_data(cfg: TrainConfig, model: torch.nn.Module, proc: _Process) -> Trai
     """Tokenized examples fit to ``capacity`` (``cfg.overflow``), in the model's vocabulary (a vocabulary remap
     is saved when one is needed), with the count of what was cut or left out."""
     data = prepare_data(load_chats(cfg.data, cfg.max_examples), model.config.vocab_size, capacity=cfg.capacity,
-                        overflow=cfg.overflow)
+                        overflow=cfg.overflow, tokenizer=cfg.chat_tokenizer)
     if data.remap is not None and proc.rank == 0:
         data.remap.save(proc.out / "vocab_remap.json")
     return data

@@ -2,13 +2,13 @@
 of the installed release's source distribution, see :mod:`tests.conformance.hf_release`) over every
 supported family, unpatched and patched. The contract: every test that passes unpatched passes patched.
 
-Per family two ``unittest`` classes, ``TestHF<Family>Unpatched`` and ``TestHF<Family>Patched``, each with
-``all_model_classes = (backbone, causal LM)`` of the family's tiny config
+Per family of ``TINY_CONFIGS`` (every supported family; ``test_packed_rows.py`` checks that each one in
+``FAMILIES`` has a tiny config) two ``unittest`` classes, ``TestHF<Family>Unpatched`` and
+``TestHF<Family>Patched``, each with ``all_model_classes = (backbone, causal LM)`` of the family's tiny config
 (``hybrid_pack.integrations.transformers.tiny.tiny_config``; the backbone of qwen3_5 is ``Qwen3_5TextModel``).
-The model tester (:class:`FamilyTester`) is transformers' ``CausalLMModelTester`` reduced to what the mixin
-reads (that file is not in the sdist): ``batch_size`` 13, ``seq_length`` 7, ``ids_tensor`` ids and a
-``torch.tril`` attention mask (rows right-padded), on the tiny config instead of a tester-built one, with
-the tester's ``max_position_embeddings=512`` (the RoPE tests run 1.5 times that many positions).
+The model tester is :class:`tests.conformance.family_tester.FamilyTester` (transformers' own per-family testers
+are not in the sdist). A family whose classes cannot be built (its tiny config, model classes or expected
+failures raise) gets instead one failing ``test_family_builds`` per mode, naming it and the error.
 
 Both modes run the families' code on transformers' own torch functions (``pure_torch_transformers``): the
 kernel packages the test venv installs for the Triton-interpreter tier need a GPU otherwise.
@@ -18,15 +18,15 @@ patch it: a model built directly (``model_class(config)``, ``_from_config``) rig
 (the outermost ``post_init``; a backbone built inside a causal LM is patched with it), and one loaded with
 ``from_pretrained`` after it is loaded. ``type(model)`` stays the real class.
 
-Expected failures: the tests listed in :mod:`tests.conformance.known_both_modes` fail in both modes for the
-reason given there, and are marked strict ``xfail`` in both. ``HYBRID_PACK_CONFORMANCE_RAW=1`` drops those
-marks (``scripts/conformance_table.py`` runs that way to report real outcomes).
+Expected failures: the tests of :mod:`tests.conformance.known_both_modes` fail in both modes as recorded there
+(exception type, message pattern, reason), and are marked ``xfail(strict=True, raises=<type>)`` in both; a
+message the pattern does not find fails the test. ``HYBRID_PACK_CONFORMANCE_RAW=1`` drops those marks
+(``scripts/conformance_table.py`` runs that way to report real outcomes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import unittest
@@ -39,55 +39,19 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("parameterized")
 
-import torch
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING, PreTrainedModel, set_seed
 
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, pure_torch_transformers, tiny_config
 from tests.conformance import hf_release
-from tests.conformance.known_both_modes import reason_for
+from tests.conformance.family_tester import FamilyTester, common
+from tests.conformance.known_both_modes import attention_layers, expected_failure, expecting_failure
 
 pytestmark = pytest.mark.conformance
 
 RAW_ENV = "HYBRID_PACK_CONFORMANCE_RAW"
 
-common = hf_release.load()
 GenerationTesterMixin = sys.modules[f"{hf_release.PACKAGE}.generation.test_utils"].GenerationTesterMixin
-
-
-class FamilyTester:
-    """What ``ModelTesterMixin`` reads of its ``model_tester``: transformers' ``CausalLMModelTester`` defaults
-    (batch 13, sequence 7, ``torch.tril`` mask) over one family's tiny config."""
-
-    batch_size = 13
-    seq_length = 7
-    is_training = True
-    num_labels = 3
-    num_choices = 4
-    type_sequence_label_size = 2
-
-    def __init__(self, parent: unittest.TestCase, family: str) -> None:
-        config = tiny_config(family)
-        self.parent, self.family = parent, family
-        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        self.num_hidden_layers = config.num_hidden_layers
-        self.num_attention_heads = getattr(config, "num_attention_heads", None)
-
-    def get_config(self):
-        config = tiny_config(self.family)
-        if hasattr(config, "max_position_embeddings"):
-            # CausalLMModelTester's value: the RoPE tests run a sequence of 1.5 times this length.
-            config.max_position_embeddings = 512
-        return config
-
-    def prepare_config_and_inputs(self) -> tuple:
-        input_ids = common.ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
-        attention_mask = torch.tril(torch.ones_like(input_ids))
-        return self.get_config(), input_ids, attention_mask
-
-    def prepare_config_and_inputs_for_common(self) -> tuple:
-        config, input_ids, attention_mask = self.prepare_config_and_inputs()
-        return config, {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def _inside_another_model(model: PreTrainedModel) -> bool:
@@ -135,20 +99,6 @@ def patching_every_model(config_class: type) -> Iterator[None]:
         yield
 
 
-def _expected_failure(test, reason: str):
-    """``test`` (a mixin method shared by every class) wrapped for one class, marked strict xfail. Its
-    ``self.subTest`` blocks are plain blocks: pytest reports a failing subtest apart from its test, where the
-    xfail mark does not reach; here the first failure fails the test itself."""
-
-    @functools.wraps(test)
-    def wrapper(self, *args, **kwargs):
-        self.subTest = lambda *_, **__: contextlib.nullcontext()
-        return test(self, *args, **kwargs)
-
-    wrapper.pytestmark = [*getattr(test, "pytestmark", []), pytest.mark.xfail(reason=reason, strict=True)]
-    return wrapper
-
-
 def _test_class(family: str, patched: bool) -> type:
     config_class = type(tiny_config(family))
     model_classes = (MODEL_MAPPING[config_class], MODEL_FOR_CAUSAL_LM_MAPPING[config_class])
@@ -164,20 +114,41 @@ def _test_class(family: str, patched: bool) -> type:
         if patched:
             stack.enter_context(patching_every_model(config_class))
 
-    name = "TestHF" + "".join(part.title() for part in family.split("_")) + ("Patched" if patched else "Unpatched")
-    attributes = {"all_model_classes": model_classes, "has_attentions": family != "mamba2", "family": family,
-                  "patched": patched, "setUp": setUp, "__module__": __name__, "__qualname__": name}
+    name = _class_name(family, patched)
+    attributes = {"all_model_classes": model_classes, "has_attentions": attention_layers(tiny_config(family)) > 0,
+                  "family": family, "patched": patched, "setUp": setUp, "__module__": __name__, "__qualname__": name}
     cls = type(name, (common.ModelTesterMixin, GenerationTesterMixin, unittest.TestCase), attributes)
-    if not os.environ.get(RAW_ENV):
-        for test in [attr for attr in dir(cls) if attr.startswith("test_")]:
-            reason = reason_for(family, test)
-            if reason is not None:
-                setattr(cls, test, _expected_failure(getattr(cls, test), reason))
+    raw = bool(os.environ.get(RAW_ENV))
+    for test in [attr for attr in dir(cls) if attr.startswith("test_")]:
+        expected = expected_failure(family, test)
+        if expected is not None:
+            setattr(cls, test, expecting_failure(getattr(cls, test), family, expected, mark=not raw))
     return cls
+
+
+def _class_name(family: str, patched: bool) -> str:
+    return "TestHF" + "".join(part.title() for part in family.split("_")) + ("Patched" if patched else "Unpatched")
+
+
+def _unbuildable_class(family: str, patched: bool, error: Exception) -> type:
+    """A class with one failing test, standing for a family whose test class could not be built (its tiny config,
+    its model classes or its expected failures raised): the tier reports the family instead of failing to collect."""
+    message = (f"{family}: the conformance tier could not build this family's test class: "
+               f"{type(error).__name__}: {error}")
+
+    def test_family_builds(self) -> None:
+        pytest.fail(message, pytrace=False)
+
+    name = _class_name(family, patched)
+    return type(name, (unittest.TestCase,), {"test_family_builds": test_family_builds, "__module__": __name__,
+                                              "__qualname__": name})
 
 
 for _family in TINY_CONFIGS:
     for _patched in (False, True):
-        _cls = _test_class(_family, _patched)
+        try:
+            _cls = _test_class(_family, _patched)
+        except Exception as _error:  # any failure of a family's set-up is reported as that family's test failure
+            _cls = _unbuildable_class(_family, _patched, _error)
         globals()[_cls.__name__] = _cls
 del _family, _patched, _cls

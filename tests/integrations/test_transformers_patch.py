@@ -65,7 +65,8 @@ def test_patched_matches_unpatched(family: str) -> None:
         ordinary = model(input_ids=ids).logits
         padded_expected = reference(input_ids=padded, attention_mask=mask).logits
         padded_patched = model(input_ids=padded, attention_mask=mask).logits
-    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+    # float32 round-off of two algorithms (transformers' and the packed ops'); MoE routers add up to 1.1e-5
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ordinary, expected, rtol=0, atol=0)
     torch.testing.assert_close(padded_patched, padded_expected, rtol=0, atol=0)
 
@@ -135,7 +136,7 @@ def test_patch_is_idempotent() -> None:
     mixer_forward = model.backbone.layers[0].mixer.forward
     assert patch_model(model) is model
     assert {name: len(m._forward_pre_hooks) for name, m in model.named_modules()} == hooks
-    assert model.backbone.layers[0].mixer.forward.__func__ is mixer_forward.__func__
+    assert model.backbone.layers[0].mixer.forward is mixer_forward
 
 
 def test_a_copy_of_a_patched_model_runs_its_own_weights() -> None:
@@ -170,3 +171,27 @@ def test_a_cache_is_refused_on_a_packed_call(key: str) -> None:
     cache = DynamicCache(config=model.config)
     with pytest.raises(ValueError, match=f"{key}: a KV / state cache cannot be used with a packed batch"):
         model(input_ids=_ids(1, 7), **{key: cache}, **PackedBoundaries.from_lengths([3, 4]).hf_kwargs())
+
+
+def test_docs_family_table_is_the_code() -> None:
+    from pathlib import Path
+
+    from hybrid_pack.integrations.transformers.family_table import BEGIN, END, markdown_family_table
+
+    text = (Path(__file__).parents[2] / "docs" / "transformers.md").read_text()
+    documented = text[text.index(BEGIN):text.index(END) + len(END)]
+    assert documented == markdown_family_table(), \
+        "regenerate it: python -m hybrid_pack.integrations.transformers.family_table"
+
+
+@pytest.mark.parametrize("model_type", ["recurrent_gemma", "rwkv", "xlstm", "zaya"])
+def test_a_refused_family_names_its_missing_layer_kind(model_type: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybrid_pack.errors import UnsupportedModelError
+    from hybrid_pack.integrations.transformers.families import REFUSED
+
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    with pytest.raises(UnsupportedModelError, match=REFUSED[model_type].split(" (")[0]):
+        patch_model(AutoModelForCausalLM.from_config(config))

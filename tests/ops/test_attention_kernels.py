@@ -139,7 +139,7 @@ def test_flex_adapter_matches_torch_on_padded_rows(layout: str, causal: bool) ->
     out = kernel_flex.varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=0.25)
     expected = torch_attention(q, k, v, boundaries, causal=causal, softmax_scale=0.25)
     kit.assert_close(out, expected, "output", tol=1e-10)
-    assert boundaries.view(("flex_block_mask", causal, kernel_flex.bucket_length(boundaries.total_tokens)),
+    assert boundaries.view(("flex_block_mask", causal, kernel_flex.bucket_length(boundaries.total_tokens), None),
                            lambda: None) is not None  # the mask is kept on the boundaries
 
 

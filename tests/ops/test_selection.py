@@ -53,10 +53,10 @@ def fake_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
-                   causal: bool, softmax_scale: float) -> torch.Tensor:
+                   causal: bool, softmax_scale: float, window: int | None = None) -> torch.Tensor:
     """Stands in for an attention kernel: records the call and returns the torch result."""
     FAKE_ATTENTION_CALLS.append(q.shape[1])
-    return torch_varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=softmax_scale)
+    return torch_varlen_attention(q, k, v, boundaries, causal=causal, softmax_scale=softmax_scale, window=window)
 
 
 @pytest.fixture

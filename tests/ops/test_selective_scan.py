@@ -1,7 +1,8 @@
-"""The Mamba-1 selective scan (:mod:`hybrid_pack.ops.selective_scan`): the packed scan equals a token-by-token
-recurrence run on each document alone; the static chunked scan equals the packed one for every chunk size,
-forward and backward, keeps non-finite values and gradients inside their segment, and compiles to one graph
-for every layout of the same (T, S). A row split across ranks: tests/parallel/test_cp_selective_scan.py.
+"""The Mamba-1 selective scan (:mod:`hybrid_pack.ops.selective_scan`): a registered op whose pure-torch backend
+equals a token-by-token recurrence run on each document alone for every chunk size, forward and backward, and
+never saves a ``[T, D, N]`` tensor; the static chunked scan equals the packed one for every chunk size, both keep
+non-finite values and gradients inside their segment, and the static form compiles to one graph for every layout
+of the same (T, S). A row split across ranks: tests/parallel/test_cp_selective_scan.py.
 
 Every layout holds T = 40 tokens in S = 7 slots (6 documents at most, then the padding slot).
 """
@@ -15,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_pack import PackedBoundaries
+from hybrid_pack import PackedBoundaries, backends, use_backends
 from hybrid_pack.boundaries import StaticBoundaries
+from hybrid_pack.errors import InputError
 from hybrid_pack.ops.selective_scan import selective_scan, torch_backend, torch_static
 from tests import kit
 from tests.kit import Layout
@@ -93,6 +95,63 @@ def test_packed_scan_equals_each_document_alone(layout: str) -> None:
                      forward_backward(reference, args, boundaries), tol=1e-10, what=layout)
 
 
+def chunked_scan(chunk_size: int) -> Callable[..., torch.Tensor]:
+    """The pure-torch scan at ``chunk_size`` (its outputs only)."""
+    def run(*, boundaries: PackedBoundaries, **args: torch.Tensor) -> torch.Tensor:
+        return torch_backend.scan(**args, boundaries=boundaries, chunk_size=chunk_size)[0]
+    return run
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 16])
+@pytest.mark.parametrize("layout", ["one_token_docs", "chunk_edges", "long_beside_short", "padding_and_unused_slots"])
+def test_every_chunk_size_gives_the_same_scan(layout: str, chunk_size: int) -> None:
+    """Chunks of 1, 3 and 16 tokens (documents longer than a chunk, chunks holding several documents) against
+    the default 64 (one chunk for the whole row), forward and backward, float64."""
+    boundaries = LAYOUTS[layout].boundaries()
+    args = scan_inputs(inputs(boundaries))
+    assert_all_close(forward_backward(chunked_scan(chunk_size), args, boundaries),
+                     forward_backward(chunked_scan(torch_backend.CHUNK_SIZE), args, boundaries), tol=1e-10,
+                     what=f"{layout}, chunk {chunk_size}")
+
+
+def test_initial_state_and_final_state_gradients() -> None:
+    """The state before the first token and the state after the last, in and out of the chunked backward,
+    checked against finite differences (float64)."""
+    boundaries = LAYOUTS["long_beside_short"].boundaries()
+    args = scan_inputs(inputs(boundaries))
+    initial = torch.randn(CHANNELS, STATE, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run(initial_state: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch_backend.scan(*tensors, boundaries, initial_state=initial_state, chunk_size=3)
+
+    assert torch.autograd.gradcheck(run, (initial.requires_grad_(), *args.values()))
+
+
+def test_no_tensor_of_the_whole_row_and_its_states_is_saved() -> None:
+    """The memory bound: what autograd keeps from the forward for the backward holds no ``[T, D, N]`` tensor,
+    and in all at most the inputs, the ``[T, D]`` step sizes and one ``[D, N]`` state per chunk."""
+    boundaries = PackedBoundaries.from_lengths([300, 100, 112])
+    args = inputs(boundaries, dtype=torch.float32)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = selective_scan(**args, boundaries=boundaries)
+    out.sum().backward()
+    tokens, chunks = boundaries.total_tokens, -(-boundaries.total_tokens // torch_backend.CHUNK_SIZE)
+    assert max(t.numel() for t in saved) <= tokens * CHANNELS
+    budget = 12 * tokens * CHANNELS + tokens * 2 * STATE + chunks * CHANNELS * STATE
+    assert sum(t.numel() for t in saved) <= budget
+
+
+def test_registered_with_the_torch_backend_only() -> None:
+    """A registered op: its pure-torch backend serves and is the reference; another name is refused by name."""
+    records = {record.backend: record for record in backends.available("selective_scan")}
+    assert set(records) == {"torch"} and records["torch"].usable
+    assert backends.select("selective_scan", device="cpu", dtype=torch.float32, requires_grad=True) == "torch"
+    boundaries = LAYOUTS["chunk_edges"].boundaries()
+    with pytest.raises(InputError, match="mamba_ssm"), use_backends(selective_scan="mamba_ssm"):
+        selective_scan(**inputs(boundaries), boundaries=boundaries)
+
+
 def scan_inputs(args: ScanInputs) -> ScanInputs:
     """The scans' own inputs from the op's (``dt`` discretised, batch dim dropped), leaves requiring grad."""
     dt = F.softplus(args["dt"][0] + args["dt_bias"])
@@ -106,7 +165,7 @@ def test_static_scan_equals_packed_scan(layout: str, chunk_size: int) -> None:
     """The chunked scan against the packed one on the same discretised inputs, forward and backward, float64."""
     boundaries = LAYOUTS[layout].boundaries()
     args = scan_inputs(inputs(boundaries))
-    want = forward_backward(torch_backend.scan, args, boundaries)
+    want = forward_backward(chunked_scan(torch_backend.CHUNK_SIZE), args, boundaries)
     got = forward_backward(functools.partial(torch_static.scan, chunk_size=chunk_size), args, on_static(boundaries))
     assert_all_close(got, want, tol=1e-10, what=f"{layout}, chunk {chunk_size}")
 
@@ -119,12 +178,13 @@ def test_static_op_equals_packed_op(layout: str) -> None:
                      forward_backward(selective_scan, args, boundaries), tol=1e-10, what=layout)
 
 
+@pytest.mark.parametrize("form", ["packed", "static"])
 @pytest.mark.parametrize("layout", ["chunk_edges", "long_beside_short", "every_slot"])
-def test_no_gradient_crosses_segments(layout: str) -> None:
+def test_no_gradient_crosses_segments(layout: str, form: str) -> None:
     """The gradient of each segment's outputs is zero on every other segment's tokens, nonzero on its own."""
     boundaries = LAYOUTS[layout].boundaries()
     args = inputs(boundaries)
-    out = selective_scan(**args, boundaries=on_static(boundaries))
+    out = selective_scan(**args, boundaries=boundaries if form == "packed" else on_static(boundaries))
     for segment, span in enumerate(kit.segment_spans(boundaries)):
         grads = torch.autograd.grad(out[:, span].sum(), [args[name] for name in ("x", "dt", "B", "C", "z")],
                                     retain_graph=True)
@@ -153,6 +213,24 @@ def test_non_finite_values_stay_in_their_segment(form: str) -> None:
                      for args in (clean, poisoned))
     assert torch.equal(got[:, 17:], want[:, 17:])
     assert not got[0, 16].isfinite().all()
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_non_finite_values_stay_in_their_segment_backward(chunk_size: int) -> None:
+    """With inf and NaN in document 0, a loss on the later documents gives their tokens the same, finite
+    gradients as without: the chunked backward drops the adjoint at a segment start rather than scaling it."""
+    boundaries = LAYOUTS["chunk_edges"].boundaries()
+    clean = scan_inputs(inputs(boundaries))
+    poisoned = {name: value.detach().clone() for name, value in clean.items()}
+    poisoned["x"][3] = float("inf")
+    poisoned["dt"][5] = poisoned["dt"][16] = float("nan")
+    grads = []
+    for args in (clean, poisoned):
+        args = {name: value.detach().requires_grad_() for name, value in args.items()}
+        y = chunked_scan(chunk_size)(**args, boundaries=boundaries)
+        grads.append(torch.autograd.grad(y[17:].sum(), [args[name] for name in ("x", "dt", "B", "C")]))
+    for name, want, got in zip(("x", "dt", "B", "C"), *grads):
+        assert got[17:].isfinite().all() and torch.equal(got[17:], want[17:]), f"d{name}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

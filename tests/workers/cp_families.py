@@ -1,5 +1,5 @@
 """One rank of tests/parallel/test_cp_families.py: every patched Hugging Face family and both native presets on a
-row split across the group against the unsharded row, and a mixer without a context-parallel path refusing it.
+row split across the group against the unsharded row, and a layer without a context-parallel path refusing it.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/cp_families.py OUT
 
@@ -11,14 +11,17 @@ per ``model/row[/zigzag]``: the :func:`relative_error` of the gathered logits an
 the summed float64 loss (:func:`packed_loss` of the logits) and of the loss the model returns itself, and of
 the summed parameter gradients: those the model computes in float64 and, apart, those it rounds to float32
 (named); with the contiguous layout, of the row cut into documents at the rank edges (what the comparison
-must tell apart from the right answer). Per patched family with attention, ``eager/<family>``: the error a
-sharded forward with ``attn_implementation="eager"`` raised (eager attention masks whole documents: it has
-no context-parallel path). A case that raises records ``{"raised": ...}`` instead.
+must tell apart from the right answer). A family with a layer of a kind in :data:`WITHOUT_CONTEXT_PARALLEL`
+(Qwen4-Exp) has, instead of those, ``refused/<family>``: the error its sharded forward raised. Per patched family
+with softmax attention served by :mod:`~hybrid_pack.integrations.transformers.attention` (the rest),
+``eager/<family>``: the error a sharded forward with ``attn_implementation="eager"`` raised (eager attention masks
+whole documents: it has no context-parallel path). A case that raises records ``{"raised": ...}`` instead.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 import traceback
@@ -32,7 +35,9 @@ import torch.distributed as dist
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, tiny_model
+from hybrid_pack.integrations.transformers.attention import is_packed_attention
+from hybrid_pack.integrations.transformers.families import INDEXED_ATTENTION, NGRAM_EMBEDDING, family_of
+from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, tiny_config, tiny_model
 from hybrid_pack.isolation import Layout, relative_error
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
@@ -45,8 +50,33 @@ ROWS = (Layout("crossing", (10, 40, 14)), Layout("padded", (10, 40, 8), num_pad_
 ZIGZAG_ROW = ROWS[0]
 """Also split in the zigzag layout (chunks of 16 tokens: rank 0 holds tokens 0-15 and 48-63)."""
 PRESETS = ("qwen3-next-tiny", "bamba-tiny")
-WITHOUT_ATTENTION = ("mamba2",)
-"""Families whose tiny model has no attention layer (nothing for eager attention to refuse)."""
+WITHOUT_CONTEXT_PARALLEL = (INDEXED_ATTENTION, NGRAM_EMBEDDING)
+"""Layer kinds whose packed forwards refuse a :class:`ShardedBoundaries` (integrations/transformers/qsa.py,
+glm5_next.py, qwen4_exp.py): their look-backs select or read earlier tokens of whole documents."""
+
+
+@functools.cache
+def _patched_on_meta(family: str) -> torch.nn.Module:
+    """The tiny model of ``family``, patched, with no storage (for what its layers are)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return patch_model(AutoModelForCausalLM.from_config(tiny_config(family)))
+
+
+def layers_without_context_parallel(family: str) -> list[str]:
+    """The module classes of ``family``'s tiny model whose layer kind is in :data:`WITHOUT_CONTEXT_PARALLEL`."""
+    model = _patched_on_meta(family)
+    present = {type(module).__name__ for module in model.modules()}
+    return [name for name, layer in family_of(model).layers.items()
+            if layer.kind in WITHOUT_CONTEXT_PARALLEL and name in present]
+
+
+def attention_layers(family: str) -> list[str]:
+    """The module classes of ``family``'s tiny model that the patch serves as softmax attention (through
+    transformers' attention interface, so ``attn_implementation`` picks their kernel)."""
+    return sorted({type(module).__name__ for module in _patched_on_meta(family).modules()
+                   if is_packed_attention(module)})
 
 
 def hf_model(family: str) -> torch.nn.Module:
@@ -142,10 +172,8 @@ def sharded_against_unsharded(make: Callable[[], torch.nn.Module], layout: Layou
     return errors
 
 
-def eager_attention_refuses(family: str) -> dict:
-    """The error a sharded forward of ``family`` with eager attention raises (``{"raised": None}`` if none)."""
-    model = hf_model(family)
-    model.set_attn_implementation("eager")
+def sharded_forward_refusal(model: torch.nn.Module) -> dict:
+    """The error ``model``'s forward on this rank's share of the first row raises (``{"raised": None}`` if none)."""
     try:
         model(**shard_batch(packed_batch(ROWS[0])))
     except Exception as error:  # the kind and the message are the verdict
@@ -153,17 +181,29 @@ def eager_attention_refuses(family: str) -> dict:
     return {"raised": None}
 
 
+def eager_attention_refuses(family: str) -> dict:
+    """The error a sharded forward of ``family`` with eager attention raises."""
+    model = hf_model(family)
+    model.set_attn_implementation("eager")
+    return sharded_forward_refusal(model)
+
+
 def cases() -> dict[str, Callable[[], dict]]:
-    """Every case by name: ``model/row`` (contiguous layout), ``model/row/zigzag``, ``eager/family``."""
+    """Every case by name: ``model/row`` (contiguous layout), ``model/row/zigzag``, ``refused/family`` (a family
+    without a context-parallel path), ``eager/family`` (a family with one and with served softmax attention)."""
     out: dict[str, Callable[[], dict]] = {}
+    refused = [family for family in TINY_CONFIGS if layers_without_context_parallel(family)]
     for name, make in MODELS.items():
+        if name.removeprefix("hf_") in refused:
+            out[f"refused/{name.removeprefix('hf_')}"] = lambda make=make: sharded_forward_refusal(make())
+            continue
         for layout in ROWS:
             out[f"{name}/{layout.name}"] = lambda make=make, layout=layout: sharded_against_unsharded(
                 make, layout, "contiguous")
         out[f"{name}/{ZIGZAG_ROW.name}/zigzag"] = lambda make=make: sharded_against_unsharded(
             make, ZIGZAG_ROW, "zigzag")
     for family in TINY_CONFIGS:
-        if family not in WITHOUT_ATTENTION:
+        if family not in refused and attention_layers(family):
             out[f"eager/{family}"] = lambda family=family: eager_attention_refuses(family)
     return out
 

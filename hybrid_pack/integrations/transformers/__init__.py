@@ -14,8 +14,7 @@ trainers and wrappers that replace the top-level forward (TRL's fused LM head), 
 
 from __future__ import annotations
 
-import functools
-import types
+import inspect
 import warnings
 from typing import Any
 
@@ -31,7 +30,7 @@ from hybrid_pack.integrations.transformers.entry import (
     install_entry,
     stray_keys_error,
 )
-from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, family_of
+from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, WholeCall, family_of
 from hybrid_pack.integrations.transformers.mask import skip_masks_of_packed_calls
 from hybrid_pack.schema import BOUNDARIES
 
@@ -39,7 +38,6 @@ __all__ = ["patch_model", "is_patched", "FAMILIES", "TESTED_TRANSFORMERS"]
 
 TESTED_TRANSFORMERS = ((5, 20), (5, 25))  # [lower, upper) of the transformers versions tested
 _FAMILY_FLAG = "_hybrid_pack_family"
-_MIXER_FLAG = "_hybrid_pack_mixer"
 
 
 def _check_transformers_version() -> None:
@@ -70,37 +68,51 @@ def is_patched(model: torch.nn.Module) -> bool:
     return getattr(_unwrapped(model), _FAMILY_FLAG, None) is not None
 
 
-def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward) -> None:
-    """Route ``module``'s forward to ``packed_forward`` when the call carries ``boundaries``; keep the original
-    otherwise. The signature stays the original one (``inspect.signature`` reads the class's ``forward``).
+class PackedMixerForward:
+    """The ``forward`` of a patched mixer: ``packed_forward`` on calls that carry ``boundaries`` (or were handed
+    them, :func:`.entry.hand_off`), the class's own ``forward`` otherwise. Set on the module instance; it holds the
+    module and the packed forward (a module-level function or a ``functools.partial`` of one), so ``pickle``,
+    ``torch.save(model)`` and ``copy.deepcopy`` keep the mixer patched. Its signature is the class's ``forward``.
 
     The collator's packed keys reaching the mixer without ``boundaries`` mean they bypassed every entry
     (:mod:`.entry`): the original forward would run the row as one document, so the call is refused instead.
     """
-    if getattr(module, _MIXER_FLAG, False):
-        return
-    original = module.forward
-    unbound = original.__func__ if isinstance(original, types.MethodType) else original
 
-    @functools.wraps(unbound)
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __init__(self, module: torch.nn.Module, packed_forward: PackedForward | WholeCall) -> None:
+        self.module, self.packed_forward = module, packed_forward
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.module
         boundaries = kwargs.pop(BOUNDARIES, None)
         if boundaries is None:
-            boundaries = handed_off(self)
+            boundaries = handed_off(module)
         if boundaries is not None:
-            return packed_forward(self, args[0] if args else kwargs["hidden_states"], boundaries)
+            if isinstance(self.packed_forward, WholeCall):
+                return self.packed_forward.forward(module, boundaries, *args, **kwargs)
+            return self.packed_forward(module, args[0] if args else kwargs["hidden_states"], boundaries)
         stray = explicit_keys_in(kwargs)
         if stray:
-            raise stray_keys_error(type(self).__name__, stray)
-        return unbound(self, *args, **kwargs)
-
-    module.forward = types.MethodType(forward, module)
-    setattr(module, _MIXER_FLAG, True)
+            raise stray_keys_error(type(module).__name__, stray)
+        return type(module).forward(module, *args, **kwargs)
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward | WholeCall) -> None:
+    """Route ``module``'s forward to ``packed_forward`` on packed calls (:class:`PackedMixerForward`), once."""
+    if not isinstance(module.__dict__.get("forward"), PackedMixerForward):
+        module.forward = PackedMixerForward(module, packed_forward)
+
+
+def _attention_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The softmax-attention layers (the modules that call transformers' attention interface)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+    return [m for m in modules if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
 
 
 def _refuse_unserved_settings(model: torch.nn.Module, attention: list[torch.nn.Module]) -> None:
@@ -111,7 +123,7 @@ def _refuse_unserved_settings(model: torch.nn.Module, attention: list[torch.nn.M
         if dropout:
             raise UnsupportedModelError(f"config.attention_dropout: {dropout} is not supported on packed rows "
                                         f"({layer}); set config.attention_dropout=0.0 before patch_model")
-        for setting in ("sliding_window", "softcap"):
+        for setting in ("softcap",):
             if getattr(module, setting, None) is not None:
                 raise UnsupportedModelError(f"config.{setting}: {getattr(module, setting)!r} ({layer}) is not "
                                             "supported on packed rows; patch a model without it")
@@ -147,26 +159,40 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     """
     target = _unwrapped(model)
     family = family_of(target)
+    modules = _served_modules(target, family)
     if not is_patched(target):
         _check_transformers_version()
-        _patch_family(target, family)
+        _patch_family(target, family, modules)
+    served = {id(m) for m in modules}
     for entry in entry_modules(target):
-        install_entry(entry)
+        if id(entry) in served:
+            install_entry(entry)
     setattr(target, _FAMILY_FLAG, family.name)
     return model
 
 
-def _patch_family(model: torch.nn.Module, family: Family) -> None:
-    mixers = [(m, family.mixers[type(m).__name__]) for m in model.modules() if type(m).__name__ in family.mixers]
-    attention = _attention_modules(model)
-    if not mixers and not attention:
-        raise UnsupportedModelError(f"model: no {' / '.join(family.mixers)} or attention module found in this "
+def _served_modules(model: torch.nn.Module, family: Family) -> list[torch.nn.Module]:
+    """``model``'s modules outside any sub-model of another kind (a multimodal model's vision tower: its own
+    ``cu_seqlens`` keep each image apart, and packed text boundaries mean nothing to it)."""
+    from transformers import PreTrainedModel
+
+    foreign = [m for m in model.modules() if isinstance(m, PreTrainedModel)
+               and getattr(m.config, "model_type", None) not in family.model_types]
+    excluded = {id(sub) for m in foreign for sub in m.modules()}
+    return [m for m in model.modules() if id(m) not in excluded]
+
+
+def _patch_family(model: torch.nn.Module, family: Family, modules: list[torch.nn.Module]) -> None:
+    layers = [(m, family.layers[type(m).__name__]) for m in modules if type(m).__name__ in family.layers]
+    attention = [m for m in _attention_modules(modules) if type(m).__name__ not in family.layers]
+    if not layers and not attention:
+        raise UnsupportedModelError(f"model: no {' / '.join(family.layers)} or attention module found in this "
                                     f"{family.name} model; this transformers version may have renamed them (see "
                                     "docs/transformers.md for the tested versions)")
     _refuse_unserved_settings(model, attention)
-    for module, packed_forward in mixers:
-        _patch_mixer(module, packed_forward)
-    for module in model.modules():
+    for module, layer in layers:
+        _patch_mixer(module, layer.forward)
+    for module in modules:
         child = family.hand_offs.get(type(module).__name__)
         if child is not None:
             hand_off(module, child)

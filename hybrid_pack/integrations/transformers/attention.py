@@ -1,18 +1,20 @@
 """Softmax attention of a packed call: chosen by the call, never by a renamed implementation.
 
 A patched model keeps its ``config._attn_implementation`` (``sdpa``, a flash kernel, flex, ``eager``).
-Each implementation registered in transformers' ``AttentionInterface`` is wrapped once
-(:func:`wrap_attention`): a call that carries ``boundaries`` (put there by a patched entry, :mod:`.entry`)
-from a patched model's attention module runs :func:`hybrid_pack.ops.varlen_attention`, every token
-attending only within its document and no mask read; any other call runs the wrapped implementation
-unchanged, so unpatched models and unpacked calls are exactly as before. ``eager`` is the family's own
-``eager_attention_forward`` (not in the registry): it is wrapped in the family's module, and a packed call
-runs it with a per-document causal mask built from the boundaries, so it returns the attention weights.
+Each implementation registered in transformers' ``AttentionInterface`` is registered again once, through
+its public ``register``, wrapped in :class:`PackedAttention`: a call that carries ``boundaries`` (put there
+by a patched entry, :mod:`.entry`) from a patched model's attention module runs
+:func:`hybrid_pack.ops.varlen_attention`, every token attending only within its document (and within the
+layer's ``sliding_window``) and no mask read; any other call runs the wrapped implementation with the same
+arguments, so unpatched models and unpacked calls compute exactly what they did before. ``eager`` is the
+family's own ``eager_attention_forward`` (not in the registry): a patched attention module gets a forward
+pre-hook (:class:`_EagerDocumentMask`) that hands it the per-document causal mask on packed calls, so it
+returns the attention weights. Nothing is stored per call.
 """
 
 from __future__ import annotations
 
-import sys
+import inspect
 from typing import Any
 
 import torch
@@ -21,80 +23,94 @@ from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.entry import explicit_keys_in, stray_keys_error
 from hybrid_pack.ops import varlen_attention
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.schema import BOUNDARIES
+from hybrid_pack.schema import ATTENTION_MASK, BOUNDARIES
 
-__all__ = ["mark_attention", "wrap_attention", "wrap_every_attention", "wrap_eager_attention", "document_causal_mask"]
+__all__ = ["mark_attention", "is_packed_attention", "wrap_attention", "wrap_every_attention", "PackedAttention",
+           "document_causal_mask"]
 
 _ATTENTION_FLAG = "_hybrid_pack_attention"
-_ORIGINAL = "_hybrid_pack_wraps"
 EAGER = "eager"
+_HIDDEN_STATES = "hidden_states"
+
+
+def is_packed_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an attention layer of a patched model (:func:`mark_attention`)."""
+    return getattr(module, _ATTENTION_FLAG, False)
 
 
 def mark_attention(module: torch.nn.Module) -> None:
     """Let ``module`` (an attention layer of a patched model) take the packed path of every implementation."""
-    wrap_eager_attention(module)
+    if is_packed_attention(module):
+        return
+    module.register_forward_pre_hook(_EagerDocumentMask(), with_kwargs=True)
     setattr(module, _ATTENTION_FLAG, True)
 
 
-def document_causal_mask(boundaries: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[1, 1, T, T]``: 0 where a token may attend (same document, not later), dtype's min elsewhere."""
+def document_causal_mask(boundaries: Any, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive mask ``[1, 1, T, T]``: 0 where a token may attend (same document, not later, fewer than ``window``
+    tokens back when given), dtype's min elsewhere."""
     if isinstance(boundaries, ShardedBoundaries):
         raise UnsupportedModelError("config._attn_implementation: 'eager' masks whole documents, and a context-"
                                     "parallel shard holds pieces of them; call model.set_attn_implementation('sdpa') "
                                     "(every other implementation runs hybrid_pack's context-parallel attention)")
     seq_idx = boundaries.seq_idx[0]
     allowed = (seq_idx[:, None] == seq_idx[None, :]).tril()
+    if window is not None:
+        allowed = allowed.triu(1 - window)
     return torch.zeros(allowed.shape, dtype=dtype, device=seq_idx.device).masked_fill(
         ~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def _packed_eager(original: Any) -> Any:
-    def eager_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+class _EagerDocumentMask:
+    """Forward pre-hook of a patched attention module: on a packed call under the ``eager`` implementation, the
+    ``attention_mask`` it receives becomes the per-document causal mask, so the family's own eager attention runs
+    on it and returns its weights. A class, so a patched model pickles; it holds nothing per call."""
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         boundaries = kwargs.get(BOUNDARIES)
-        if boundaries is not None and getattr(module, _ATTENTION_FLAG, False):
-            attention_mask = document_causal_mask(boundaries, query.dtype)
-        return original(module, query, key, value, attention_mask, *args, **kwargs)
-
-    eager_attention_forward.__doc__ = original.__doc__
-    setattr(eager_attention_forward, _ORIGINAL, original)
-    return eager_attention_forward
-
-
-def wrap_eager_attention(module: torch.nn.Module) -> None:
-    """Wrap the ``eager_attention_forward`` of the family ``module`` comes from (once)."""
-    family = sys.modules[type(module).__module__]
-    original = getattr(family, "eager_attention_forward", None)
-    if original is None:
-        raise UnsupportedModelError(f"{type(module).__name__}: no eager_attention_forward in {family.__name__}; "
-                                    "this transformers version may have moved it")
-    if not hasattr(original, _ORIGINAL):
-        family.eager_attention_forward = _packed_eager(original)
+        if boundaries is None or getattr(getattr(module, "config", None), "_attn_implementation", EAGER) != EAGER:
+            return None
+        hidden = args[0] if args else kwargs[_HIDDEN_STATES]
+        mask = document_causal_mask(boundaries, hidden.dtype, getattr(module, "sliding_window", None))
+        positional = list(inspect.signature(type(module).forward).parameters)[1:len(args) + 1]
+        if ATTENTION_MASK in positional:
+            args = tuple(mask if name == ATTENTION_MASK else arg for name, arg in zip(positional, args))
+            return args, kwargs
+        return args, {**kwargs, ATTENTION_MASK: mask}
 
 
-def _packed(original: Any) -> Any:
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        """``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``([B, T, H, D], None)``, as transformers expects."""
+class PackedAttention:
+    """An attention implementation of transformers' ``AttentionInterface``, serving packed calls of patched models:
+    ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``([B, T, H, D], None)``, as transformers expects.
+    Any other call runs ``original`` with the same arguments. Picklable; holds nothing per call."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.__name__ = getattr(original, "__name__", "attention")
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
         boundaries = kwargs.get(BOUNDARIES)
-        if boundaries is None or not getattr(module, _ATTENTION_FLAG, False):
-            stray = explicit_keys_in(kwargs) if getattr(module, _ATTENTION_FLAG, False) else []
+        if boundaries is None or not is_packed_attention(module):
+            stray = explicit_keys_in(kwargs) if is_packed_attention(module) else []
             if stray:
                 raise stray_keys_error(type(module).__name__, stray)
-            return original(module, query, key, value, attention_mask, *args, **kwargs)
+            return self.original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        extra = {} if window is None else {"window": window}
+        value_dim = value.shape[-1]
+        if value_dim < query.shape[-1]:   # MLA: zero columns added to V give zero outputs, sliced off below
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
         out = varlen_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), boundaries,
-                               causal=True, softmax_scale=scaling)
-        return out, None
-
-    attention.__name__ = getattr(original, "__name__", "attention")
-    attention.__doc__ = getattr(original, "__doc__", None)
-    setattr(attention, _ORIGINAL, original)
-    return attention
+                               causal=True, softmax_scale=scaling, **extra)
+        return out[..., :value_dim], None
 
 
-def wrap_attention(name: str) -> None:
-    """Wrap the registered attention implementation ``name`` once (``eager`` is served by the model itself)."""
+def wrap_attention(name: str | None) -> None:
+    """Register the attention implementation ``name`` wrapped in :class:`PackedAttention`, once (``eager`` is
+    served by the model itself)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if name is None or name == EAGER or name.startswith("paged"):
@@ -103,8 +119,8 @@ def wrap_attention(name: str) -> None:
         raise UnsupportedModelError(f"config._attn_implementation: {name!r} is not registered in transformers' "
                                     "AttentionInterface")
     function = ALL_ATTENTION_FUNCTIONS[name]
-    if not hasattr(function, _ORIGINAL):
-        ALL_ATTENTION_FUNCTIONS.register(name, _packed(function))
+    if not isinstance(function, PackedAttention):
+        ALL_ATTENTION_FUNCTIONS.register(name, PackedAttention(function))
 
 
 def wrap_every_attention() -> None:

@@ -17,6 +17,7 @@ itself is never replaced, so its signature is the unpatched one.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable
@@ -28,7 +29,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
-from hybrid_pack.integrations.transformers.mask import mark_packed_call, unmark_packed_call
+from hybrid_pack.integrations.transformers.mask import enter_call, exit_call
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
@@ -50,7 +51,6 @@ EXPLICIT_BOUNDARY_KEYS = tuple(key for key in BOUNDARY_KEYS if key != POSITION_I
 OUTPUT_ATTENTIONS = "output_attentions"
 _HIDDEN_STATES = "hidden_states"
 _ENTRY_FLAG = "_hybrid_pack_entry"
-_HANDED_OFF = "_hybrid_pack_boundaries"
 
 
 def explicit_keys_in(kwargs: dict[str, Any]) -> list[str]:
@@ -136,6 +136,17 @@ def packed_call_boundaries(arguments: dict[str, Any], *, by_positions: bool = Tr
     return given
 
 
+def _positions(given: Any, boundaries: Any) -> torch.Tensor:
+    """The ``position_ids`` a packed call runs with: each token's position in its document ``[1, T]``; for a
+    vision-language model's M-RoPE ids (``[3, 1, T]``, computed per document: §3b) those ids under the text row
+    ``[4, 1, T]``, the layout transformers' M-RoPE text models split into text and rotary positions."""
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        if given.shape[0] == 3:
+            return torch.cat([boundaries.document_positions.to(given.device)[None], given])
+        return given
+    return boundaries.document_positions
+
+
 def is_entry(module: torch.nn.Module) -> bool:
     """Whether :func:`install_entry` has been applied to ``module``."""
     return getattr(module, _ENTRY_FLAG, False)
@@ -207,7 +218,7 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
     kwargs = {key: value for key, value in kwargs.items() if key not in (*EXPLICIT_BOUNDARY_KEYS, ATTENTION_MASK)}
     kwargs[BOUNDARIES] = boundaries
     if signature.takes_position_ids and POSITION_IDS not in given_positionally:
-        kwargs[POSITION_IDS] = boundaries.document_positions
+        kwargs[POSITION_IDS] = _positions(arguments.get(POSITION_IDS), boundaries)
     if signature.takes_use_cache and USE_CACHE not in given_positionally:
         kwargs[USE_CACHE] = False
     return args, kwargs
@@ -215,7 +226,8 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
 
 class _EntryHook:
     """The hooks of one entry (a class, not a closure: a patched model deep-copies and pickles). A Hugging Face
-    model entry also marks its config for the duration of the call (:mod:`.mask`: no mask for a packed row)."""
+    model entry also records its call, packed or not, in the running context for the length of the call
+    (:mod:`.mask`: no mask for a packed row); nothing is stored on the model or its config."""
 
     def __init__(self, signature: _Signature) -> None:
         self.signature = signature
@@ -227,56 +239,100 @@ class _EntryHook:
                 from hybrid_pack.integrations.transformers.attention import wrap_attention
 
                 wrap_attention(module.config._attn_implementation)
-            mark_packed_call(module.config, call is not None)
+            if not torch.compiler.is_compiling():   # a traced mask is dead code in the packed graph
+                enter_call(module, module.config, call is not None)
         return call
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        unmark_packed_call(module.config)
+        if not torch.compiler.is_compiling():
+            exit_call(module)
+
+
+# {id(child): boundaries} handed by a parent to its child for the parent's call running in this context.
+_HANDED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("hybrid_pack_handed_off", default=None)
+# While torch.compile traces a call (it cannot trace a ContextVar), the same hand-off as an attribute of the child:
+# the trace bakes it into the graph, and the attribute is None again when the call returns.
+_TRACED_HAND_OFF = "_hybrid_pack_traced_boundaries"
+
+
+def _hand(child: torch.nn.Module, boundaries: Any) -> Any:
+    """Hand ``boundaries`` (None: take them back) to ``child`` in this context; returns what it held before."""
+    before = handed_off(child)
+    if torch.compiler.is_compiling():
+        setattr(child, _TRACED_HAND_OFF, boundaries)
+        return before
+    handed = _HANDED.get() or {}
+    _HANDED.set({key: value for key, value in handed.items() if key != id(child)} if boundaries is None
+                else {**handed, id(child): boundaries})
+    return before
 
 
 def handed_off(module: torch.nn.Module) -> PackedBoundaries | StaticBoundaries | None:
-    """The boundaries a parent handed to ``module`` for the parent's current call (:func:`hand_off`), or None."""
-    return getattr(module, _HANDED_OFF, None)
+    """The boundaries a parent handed to ``module`` for the parent's call in this context (:func:`hand_off`)."""
+    if torch.compiler.is_compiling():
+        return getattr(module, _TRACED_HAND_OFF, None)
+    return (_HANDED.get() or {}).get(id(module))
 
 
 class _HandOff:
     """Pre- and post-hook of a module whose forward does not pass its keywords on to its child ``name`` (Jamba's
-    Mamba decoder layer, Mamba2's causal LM): the module's ``boundaries`` are set on the child for the duration
-    of the module's call, and of every gradient-checkpointing recompute of it (transformers checkpoints the
-    forward inside the hooks, with the call's keywords: :meth:`_recompute_with` reads them from there)."""
+    Mamba decoder layer, Mamba2's causal LM): the module's ``boundaries`` are handed to the child, in the running
+    context only, for the duration of the module's call and of every gradient-checkpointing recompute of it
+    (transformers checkpoints the forward inside the hooks, with the call's keywords: :class:`_RecomputeHandingOff`
+    reads them from there)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-        if checkpoint is not None and not getattr(checkpoint, _HANDED_OFF, False):
-            module._gradient_checkpointing_func = self._recompute_with(module, checkpoint)
-        setattr(getattr(module, self.name), _HANDED_OFF, kwargs.get(BOUNDARIES))
+        if checkpoint is not None and not isinstance(checkpoint, _RecomputeHandingOff):
+            module._gradient_checkpointing_func = _RecomputeHandingOff(module, self.name, checkpoint)
+        for child in _receivers(module, self.name):
+            _hand(child, kwargs.get(BOUNDARIES))
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        setattr(getattr(module, self.name), _HANDED_OFF, None)
+        for child in _receivers(module, self.name):
+            _hand(child, None)
 
-    def _recompute_with(self, module: torch.nn.Module, checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-        def checkpoint_handing_off(function: functools.partial, *args: Any, **kwargs: Any) -> Any:
-            def run(*inner: Any, **inner_kwargs: Any) -> Any:
-                child = getattr(module, self.name)
-                handed, restore = function.keywords.get(BOUNDARIES), handed_off(child)
-                setattr(child, _HANDED_OFF, handed)
-                try:
-                    return function(*inner, **inner_kwargs)
-                finally:
-                    setattr(child, _HANDED_OFF, restore)
 
-            return checkpoint(run, *args, **kwargs)
+def _receivers(module: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+    """``module.<name>``, or each module of it when it is a ``ModuleList`` (a backbone's layers)."""
+    child = getattr(module, name)
+    return list(child) if isinstance(child, torch.nn.ModuleList) else [child]
 
-        setattr(checkpoint_handing_off, _HANDED_OFF, True)
-        return checkpoint_handing_off
+
+class _RecomputeHandingOff:
+    """``module``'s gradient-checkpointing function, handing the checkpointed call's ``boundaries`` to the child
+    ``name`` while the call (and its recompute, possibly on another thread) runs. Picklable."""
+
+    def __init__(self, module: torch.nn.Module, name: str, checkpoint: Callable[..., Any]) -> None:
+        self.module, self.name, self.checkpoint = module, name, checkpoint
+
+    def __call__(self, function: functools.partial, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint(_HandingOff(_receivers(self.module, self.name), function), *args, **kwargs)
+
+
+class _HandingOff:
+    """``function`` run with its ``boundaries`` keyword handed to ``children`` (see :class:`_RecomputeHandingOff`)."""
+
+    def __init__(self, children: list[torch.nn.Module], function: functools.partial) -> None:
+        self.children, self.function = children, function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        restore = [_hand(child, self.function.keywords.get(BOUNDARIES)) for child in self.children]
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            for child, before in zip(self.children, restore):
+                _hand(child, before)
 
 
 def hand_off(module: torch.nn.Module, child: str) -> None:
-    """Hand ``module``'s ``boundaries`` keyword to ``module.<child>`` during every call of ``module``."""
-    setattr(getattr(module, child), _HANDED_OFF, None)
+    """Hand ``module``'s ``boundaries`` keyword to ``module.<child>`` during every call of ``module`` (nothing
+    where the child is None: a layer without it)."""
+    if getattr(module, child, None) is None:
+        return
     hook = _HandOff(child)
     module.register_forward_pre_hook(hook.before, with_kwargs=True)
     module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)

@@ -9,7 +9,9 @@ checked against their documents run alone, and a leak stops training with an
 
 TRL's ``SFTTrainer`` replaces the model's forward with a fused LM head that returns per-token
 log-probabilities and no logits; the guard then compares the hidden states of the model's backbone
-(``model.base_model``), which that forward still runs.
+(``model.base_model``), which that forward still runs. An RL trainer's generation with the policy
+(``model.generate`` in training mode, without gradient, with a cache) is no training call: the guard neither
+checks nor counts it, and checks the packed log-probability calls around it (docs/guard.md).
 """
 
 from __future__ import annotations

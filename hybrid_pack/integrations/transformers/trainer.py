@@ -27,9 +27,10 @@ from hybrid_pack import backends
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.distributed import distributed
-from hybrid_pack.errors import InputError, MissingExtraError
+from hybrid_pack.errors import InputError, MissingExtraError, UnsupportedModelError
+from hybrid_pack.integrations.transformers.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.packing.sampler import PackedBatchSampler
-from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q
+from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, IMAGE_GRID_THW, POSITION_IDS, VIDEO_GRID_THW
 
 try:
     import accelerate  # noqa: F401  (the Trainer needs it; transformers would only say so once training starts)
@@ -37,7 +38,20 @@ try:
 except ImportError as err:
     raise MissingExtraError("PackedTrainer", "hf", err) from err
 
-__all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch", "SettlesBackendsAfterFirstStep"]
+__all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch", "SettlesBackendsAfterFirstStep",
+           "model_position_ids_fn"]
+
+
+def model_position_ids_fn(model: Any) -> MRopePositions | None:
+    """How ``model`` (under PEFT / DDP wrappers) numbers one sample, for ``PackingCollator(position_ids_fn=...)``:
+    its M-RoPE rule (:func:`~hybrid_pack.integrations.transformers.mrope.mrope_position_ids`) when it has
+    ``get_rope_index``, else None (the collator's restarting 1-D positions are the model's)."""
+    model = getattr(model, "module", model)
+    get_base_model = getattr(model, "get_base_model", None)
+    try:
+        return mrope_position_ids(get_base_model() if callable(get_base_model) else model)
+    except UnsupportedModelError:
+        return None
 
 
 class SetSamplerEpoch(TrainerCallback):
@@ -66,6 +80,12 @@ class PackedBatches:
     _backends_verified = False
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        positions = inputs.get(POSITION_IDS)
+        if (isinstance(positions, torch.Tensor) and positions.dim() == 2
+                and (IMAGE_GRID_THW in inputs or VIDEO_GRID_THW in inputs)
+                and model_position_ids_fn(self.model) is not None):  # type: ignore[attr-defined]
+            raise InputError("position_ids: 1-D positions for a row with images, while the model numbers its tokens "
+                             "with M-RoPE; collate with PackingCollator(position_ids_fn=mrope_position_ids(model))")
         boundaries = PackedBoundaries.from_batch(inputs) if CU_SEQ_LENS_Q in inputs else None
         if boundaries is not None and self.model.training:  # type: ignore[attr-defined]
             self._log_clock = self._log_clock or time.perf_counter()
@@ -146,7 +166,9 @@ class PackedTrainer(PackedBatches, Trainer):
         capacity: tokens per packed row (``per_device_train_batch_size`` is ignored: one row per step and rank).
         collator: defaults to ``PackingCollator()``; with ``torch_compile=True`` to the static
             ``PackingCollator(pack_length=capacity, max_documents=...)`` with as many documents as the plan's
-            fullest pack (one compiled graph for every row).
+            fullest pack (one compiled graph for every row). For an M-RoPE model (vision-language Qwen3.5) the
+            default takes ``position_ids_fn=mrope_position_ids(model)``; a given collator needs it once a row
+            has images (refused otherwise).
         *args, **kwargs: as for ``transformers.Trainer``.
     """
 
@@ -162,10 +184,10 @@ class PackedTrainer(PackedBatches, Trainer):
         sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
                                      seed=self.args.seed)
         if collator is None and self.args.torch_compile:
-            collator = PackingCollator(pack_length=capacity,
-                                       max_documents=int(sampler.plan.pack_num_documents.max()))
+            collator = PackingCollator(pack_length=capacity, max_documents=int(sampler.plan.pack_num_documents.max()),
+                                       position_ids_fn=model_position_ids_fn(self.model))
         if collator is not None and collator.return_tensors != "pt":
             raise InputError(f"collator: return_tensors={collator.return_tensors!r}; a trainer feeds the model "
                              "torch tensors: leave return_tensors at 'pt'")
-        self.packing_collator = collator or PackingCollator()
+        self.packing_collator = collator or PackingCollator(position_ids_fn=model_position_ids_fn(self.model))
         self.use_packed_sampler(sampler)

@@ -3,7 +3,8 @@
 The queries are the last ``Tq`` of ``Tk`` positions (``Tk >= Tq``): query ``i`` sees keys
 ``j <= Tk - Tq + i``, as :func:`torch.nn.attention.bias.causal_lower_right` masks them. This is what a
 continuing document's local queries compute over ``[earlier keys from other ranks, local keys]`` under
-context parallelism (``ops/attention/cp.py``).
+context parallelism (``ops/attention/cp.py``). A sliding ``window`` keeps only keys ``j > Tk - Tq + i - window``
+too, and the key blocks wholly before it are skipped.
 
 Forward walks query blocks and, for each, the key blocks up to its diagonal (the blocks entirely above it
 are never touched), keeping a running row maximum and sum (float32; float64 for float64 inputs). It saves
@@ -30,7 +31,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                                 block: int = 512) -> torch.Tensor:
+                                 block: int = 512, window: int | None = None) -> torch.Tensor:
     """Softmax attention of the last ``Tq`` positions over all ``Tk``, causal with the diagonal bottom right.
 
     Args:
@@ -39,15 +40,17 @@ def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             ``h // (H // Hkv)``. q, k and v share one dtype (float16, bfloat16, float32 or float64) and device.
         scale: multiplies ``q @ k^T`` before the softmax.
         block: query and key rows per block (peak extra memory is ``O(block^2 * H)``).
+        window: sliding window: query ``i`` sees only keys ``0 <= Tk - Tq + i - j < window`` (None: no window).
 
     Returns:
         ``[Tq, H, D]`` in q's dtype: query ``i`` attends to keys ``j <= Tk - Tq + i``.
     """
-    return lower_right_causal_attention_with_lse(q, k, v, scale=scale, block=block)[0]
+    return lower_right_causal_attention_with_lse(q, k, v, scale=scale, block=block, window=window)[0]
 
 
 def lower_right_causal_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                                          block: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                                          block: int = 512, window: int | None = None
+                                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`lower_right_causal_attention` and each row's log-sum-exp of its scaled scores, both differentiable.
 
     The log-sum-exp lets a caller merge this result with attention over other keys:
@@ -56,11 +59,12 @@ def lower_right_causal_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: t
     Returns:
         ``(out, lse)``: out ``[Tq, H, D]`` in q's dtype; lse ``[Tq, H]`` in float32 (float64 for float64 inputs).
     """
-    _check(q, k, v, scale, block)
-    return _LowerRightCausalAttention.apply(q, k, v, float(scale), int(block))
+    _check(q, k, v, scale, block, window)
+    return _LowerRightCausalAttention.apply(q, k, v, float(scale), int(block), window)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, window: int | None
+           ) -> None:
     """Raise :class:`InputError` naming the first argument this function cannot take."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
@@ -84,6 +88,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bloc
         raise InputError(f"scale: expected a finite number, got {scale!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise InputError(f"block: expected a positive int (rows per block, e.g. 512), got {block!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise InputError(f"window: expected None or a positive int (keys each query sees), got {window!r}")
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,20 +112,25 @@ def _unrows(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.reshape(length, -1, *x.shape[3:])
 
 
-def _key_blocks(start: int, stop: int, offset: int, block: int, device: torch.device
+def _key_blocks(start: int, stop: int, offset: int, block: int, device: torch.device, window: int | None
                 ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """The key blocks queries ``[start, stop)`` see: ``(key_start, key_stop, mask)``.
 
-    Keys run up to the last query's diagonal ``offset + stop - 1``; blocks beyond it are skipped. ``mask``
-    ``[stop - start, key_stop - key_start]`` is True above the diagonal, or None where the block lies wholly
-    on or below it (every query sees every key)."""
+    Keys run up to the last query's diagonal ``offset + stop - 1`` (and, with a window, from the first query's
+    ``offset + start - window + 1``); blocks beyond are skipped. ``mask`` ``[stop - start, key_stop - key_start]``
+    is True where a query does not see a key (above the diagonal, or ``window`` or more behind it), or None where
+    every query sees every key of the block."""
     end = offset + stop
+    low = 0 if window is None else max(0, offset + start - window + 1)
     queries = torch.arange(start + offset, end, device=device)
-    for key_start in range(0, end, block):
+    for key_start in range(low - low % block, end, block):
         key_stop = min(key_start + block, end)
+        above = key_stop - 1 > offset + start
+        behind = window is not None and end - 1 - key_start >= window
         mask = None
-        if key_stop - 1 > offset + start:
-            mask = torch.arange(key_start, key_stop, device=device)[None, :] > queries[:, None]
+        if above or behind:
+            distance = queries[:, None] - torch.arange(key_start, key_stop, device=device)[None, :]
+            mask = distance < 0 if window is None else (distance < 0) | (distance >= window)
         yield key_start, key_stop, mask
 
 
@@ -136,7 +147,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, groups:
     return scores
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, window: int | None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The online-softmax forward: ``(out [Tq, H, D] in q's dtype, lse [Tq, H] in the accumulator dtype)``."""
     num_queries, num_heads = q.shape[:2]
@@ -150,12 +161,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bl
         row_max = torch.full(q_block.shape[:2], float("-inf"), dtype=acc, device=q.device)
         row_sum = torch.zeros_like(row_max)
         numerator = torch.zeros_like(q_block)
-        # The first key block holds key 0, which every query sees: row_max is finite from then on.
-        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device):
+        # A row may see no key of a block (before its window, or past its diagonal): until it sees one, its
+        # maximum is -inf, and the block's scores are shifted by 0 instead (exp(-inf) = 0, never -inf - -inf).
+        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device, window):
             scores = _scores(q_block, _rows(k, key_start, key_stop, kv_heads, acc), mask, groups)
             new_max = torch.maximum(row_max, scores.amax(dim=2))
-            probs = scores.sub_(new_max[..., None]).exp_()
-            rescale = torch.exp(row_max - new_max)
+            shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+            probs = scores.sub_(shift[..., None]).exp_()
+            rescale = torch.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(dim=2)
             numerator = numerator.mul_(rescale[..., None]).baddbmm_(
                 probs, _rows(v, key_start, key_stop, kv_heads, acc))
@@ -166,7 +179,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bl
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              grad_out: torch.Tensor, grad_lse: torch.Tensor | None, scale: float, block: int
+              grad_out: torch.Tensor, grad_lse: torch.Tensor | None, scale: float, block: int, window: int | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from scores recomputed block by block against the saved log-sum-exp."""
     num_queries = q.shape[0]
@@ -185,7 +198,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
             delta = delta - _rows(grad_lse, start, stop, kv_heads, acc)
         row_lse = _rows(lse, start, stop, kv_heads, acc)
         grad_q_block = torch.zeros_like(q_block)
-        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device):
+        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device, window):
             k_block = _rows(k, key_start, key_stop, kv_heads, acc)
             v_block = _rows(v, key_start, key_stop, kv_heads, acc)
             probs = _scores(q_block, k_block, mask, groups, shift=row_lse).exp_()
@@ -201,11 +214,11 @@ class _LowerRightCausalAttention(torch.autograd.Function):
     """Saves ``q, k, v, out, lse``; backward recomputes the probabilities block by block."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _forward(q, k, v, scale, block)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int,
+                window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _forward(q, k, v, scale, block, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.block = scale, block
+        ctx.scale, ctx.block, ctx.window = scale, block, window
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -214,5 +227,5 @@ class _LowerRightCausalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grads = _backward(q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.block)
-        return *grads, None, None
+        grads = _backward(q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.block, ctx.window)
+        return *grads, None, None, None

@@ -15,19 +15,24 @@ OP = "attention"
 TILE = 128  # flash kernels tile the sequence in 128-token blocks: the check's documents end on their edges
 
 
-def signature_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Signature:
+def signature_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None = None
+                 ) -> Signature:
+    """The call's key; a sliding window is part of it (a kernel is checked with the window it serves)."""
+    windowed = {} if window is None else {"window": window}
     return make_signature(H=q.shape[2], Hkv=k.shape[2], D=q.shape[3], causal=causal, q=q.dtype, k=k.dtype,
-                          v=v.dtype)
+                          v=v.dtype, **windowed)
 
 
 def make_inputs(signature: Signature, boundaries: PackedBoundaries, generator: torch.Generator) -> CheckCase:
-    """``q [1, T, H, D]``, ``k, v [1, T, Hkv, D]`` drawn from N(0, 1) in the signature's dtypes."""
+    """``q [1, T, H, D]``, ``k, v [1, T, Hkv, D]`` drawn from N(0, 1) in the signature's dtypes, and ``window``
+    where the signature has one."""
     s = dict(signature)
     t, device = boundaries.total_tokens, boundaries.device
     q = random_tensor((1, t, s["H"], s["D"]), s["q"], device, generator)
     k = random_tensor((1, t, s["Hkv"], s["D"]), s["k"], device, generator)
     v = random_tensor((1, t, s["Hkv"], s["D"]), s["v"], device, generator)
-    return CheckCase({"q": q, "k": k, "v": v, "causal": s["causal"], "softmax_scale": s["D"] ** -0.5},
+    windowed = {"window": s["window"]} if "window" in s else {}
+    return CheckCase({"q": q, "k": k, "v": v, "causal": s["causal"], "softmax_scale": s["D"] ** -0.5, **windowed},
                      positional=("q", "k", "v"), token_inputs=("q", "k", "v"))
 
 

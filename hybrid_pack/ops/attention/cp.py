@@ -47,7 +47,7 @@ def _other_segments(boundaries: ShardedBoundaries, halos: tuple[int, ...]) -> Pa
 
 def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         boundaries: ShardedBoundaries, *, causal: bool, softmax_scale: float,
-                        backend: str | None) -> torch.Tensor:
+                        backend: str | None, window: int | None = None) -> torch.Tensor:
     """This rank's slice of :func:`hybrid_pack.ops.varlen_attention` over the whole row.
 
     Args:
@@ -57,6 +57,8 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
         boundaries: this rank's :class:`ShardedBoundaries` (a collective over its group).
         causal: must be True (a bidirectional document would also need its later tokens' keys).
         softmax_scale: multiplies ``q @ k^T``.
+        window: sliding window (keys each query sees, itself included); the blockwise attention of a continuing
+            document skips its received earlier keys that lie outside every local query's window.
 
     Returns:
         ``[1, T_local, H, D]``.
@@ -65,7 +67,7 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
         raise InputError("causal: context-parallel attention is causal only (a bidirectional document split "
                          "across ranks would need keys from later ranks); run causal=False unsharded")
     boundaries.check_group()
-    local = functools.partial(op, causal=True, softmax_scale=softmax_scale, backend=backend)
+    local = functools.partial(op, causal=True, softmax_scale=softmax_scale, window=window, backend=backend)
     # The exchange's output feeds every result, so every rank runs its backward (a collective).
     keys_values, halos = with_preceding_tokens(torch.stack([k[0], v[0]], dim=1), boundaries)
     if not any(halos):
@@ -78,7 +80,7 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
         if halo:
             head_kv = keys_values[at_extended:at_extended + halo + first]
             heads.append(lower_right_causal_attention(q[0, at_local:at_local + first], head_kv[:, 0], head_kv[:, 1],
-                                                      scale=softmax_scale))
+                                                      scale=softmax_scale, window=window))
         else:
             heads.append(None)
         other_queries.append(q[0, at_local + first:at_local + length])

@@ -12,6 +12,7 @@ The block mask is built on the host from the segment lengths (which 128-token bl
 meet which blocks of keys, and which of those lie wholly inside one document) and kept on the
 :class:`PackedBoundaries` it belongs to: no dense ``[T, T]`` mask is ever built, and blocks that
 straddle no document are skipped. ``mask_mod`` (same segment, and causal) refines the partial blocks.
+A sliding window also skips the key blocks wholly before it (``mask_mod`` adds ``q_idx - kv_idx < window``).
 On CPU flex attention runs eagerly (it materialises the scores: a check, not a fast path).
 """
 
@@ -47,11 +48,13 @@ def padded_segment_ids(segment_lengths: tuple[int, ...], length: int) -> np.ndar
     return np.concatenate([np.repeat(np.arange(lengths.size), lengths), padding])
 
 
-def _block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool) -> tuple[np.ndarray, ...]:
+def _block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool, window: int | None = None
+                  ) -> tuple[np.ndarray, ...]:
     """``(partial_counts, partial_indices, full_counts, full_indices)`` of the block mask, as numpy.
 
     Query block ``i`` meets key block ``j`` when some token of ``i`` and some token of ``j`` share a segment
-    (and ``j <= i`` when causal); the pair is *full* when both blocks lie in one segment and, causal, ``j < i``.
+    (and ``j <= i`` when causal, and some pair lies less than ``window`` apart); the pair is *full* when both
+    blocks lie in one segment and, causal, ``j < i`` (and every pair lies less than ``window`` apart).
     """
     segment = padded_segment_ids(segment_lengths, length)
     blocks = length // BLOCK
@@ -62,6 +65,10 @@ def _block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool) -
         below = np.tril(np.ones((blocks, blocks), dtype=bool))
         meet &= below
         full &= np.tril(below, -1)
+    if window is not None:
+        gap = np.arange(blocks)[:, None] - np.arange(blocks)[None, :]  # i - j, in blocks
+        meet &= (gap - 1) * BLOCK + 1 < window                          # the nearest pair of tokens
+        full &= (gap + 1) * BLOCK - 1 < window                          # the farthest pair of tokens
     partial = meet & ~full
 
     def table(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -71,8 +78,9 @@ def _block_tables(segment_lengths: tuple[int, ...], length: int, causal: bool) -
     return (*table(partial), *table(full))
 
 
-def document_block_mask(boundaries: PackedBoundaries, causal: bool) -> BlockMask:
-    """The block mask keeping every token of the bucket-padded row inside its own segment (kept on ``boundaries``)."""
+def document_block_mask(boundaries: PackedBoundaries, causal: bool, window: int | None = None) -> BlockMask:
+    """The block mask keeping every token of the bucket-padded row inside its own segment, and causal within
+    ``window`` when one is given (kept on ``boundaries``)."""
     length = bucket_length(boundaries.total_tokens)
 
     def build() -> BlockMask:
@@ -82,13 +90,15 @@ def document_block_mask(boundaries: PackedBoundaries, causal: bool) -> BlockMask
 
         def same_segment(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             keep = seq_idx[q_idx] == seq_idx[kv_idx]
+            if window is not None:
+                return keep & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
             return keep & (q_idx >= kv_idx) if causal else keep
 
         tables = [torch.from_numpy(t)[None, None].to(device, non_blocking=True)
-                  for t in _block_tables(boundaries.segment_lengths, length, causal)]
+                  for t in _block_tables(boundaries.segment_lengths, length, causal, window)]
         return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=BLOCK, mask_mod=same_segment, seq_lengths=(length, length))
 
-    return boundaries.view(("flex_block_mask", causal, length), build)
+    return boundaries.view(("flex_block_mask", causal, length, window), build)
 
 
 RECOMPILE_LIMIT = 64  # compiled variants of flex_attention kept (dynamo's default, 8, falls back to dense eagerly)
@@ -111,12 +121,12 @@ def _attend(device: torch.device) -> Callable[..., torch.Tensor]:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
-                     causal: bool, softmax_scale: float) -> torch.Tensor:
+                     causal: bool, softmax_scale: float, window: int | None = None) -> torch.Tensor:
     """:func:`hybrid_pack.ops.varlen_attention` through ``flex_attention(block_mask=document mask)``."""
     total = boundaries.total_tokens
     pad = bucket_length(total) - total
     attend = _attend(q.device)
     q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q, k, v))
-    out = attend(q, k, v, block_mask=document_block_mask(boundaries, causal), scale=softmax_scale,
+    out = attend(q, k, v, block_mask=document_block_mask(boundaries, causal, window), scale=softmax_scale,
                  enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[:, :total]

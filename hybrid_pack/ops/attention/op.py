@@ -18,7 +18,7 @@ from hybrid_pack.parallel.compile import eager_on_shards
 @eager_on_shards
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      boundaries: PackedBoundaries | StaticBoundaries, *,
-                     causal: bool = True, softmax_scale: float | None = None,
+                     causal: bool = True, softmax_scale: float | None = None, window: int | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """Attention where each token sees only tokens of its own document.
 
@@ -30,6 +30,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             path and returns this rank's slice of the whole row's result (docs/parallel.md).
         causal: mask future tokens.
         softmax_scale: defaults to ``D ** -0.5``.
+        window: sliding-window attention (causal only): query ``i`` sees keys ``j`` of its document with
+            ``i - j < window`` (transformers' ``sliding_window``: the token itself and ``window - 1`` before it).
+            None: no window.
         backend: force a backend (see :mod:`hybrid_pack.backends`).
 
     Returns:
@@ -42,14 +45,27 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise InputError(f"k: expected head dim {q.shape[-1]} (that of q); got shape {list(k.shape)}")
     if q.shape[2] % k.shape[2]:
         raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
+    _check_window(window, causal)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale}, boundaries, backend=backend,
-                 requires_grad=needs_grad(q, k, v))
+    return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale, "window": window}, boundaries,
+                 backend=backend, requires_grad=needs_grad(q, k, v))
+
+
+def _check_window(window: int | None, causal: bool) -> None:
+    """Raise :class:`InputError` unless ``window`` is None or a positive int on causal attention."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InputError(f"window: expected None or a positive int (keys each query sees, itself included); "
+                         f"got {window!r}")
+    if not causal:
+        raise InputError(f"window: {window} is sliding-window causal attention; pass causal=True or window=None")
 
 
 ROUTE = OpRoute(
     OP, varlen_attention, positional=("q", "k", "v"),
-    signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["causal"]), sharded=varlen_attention_cp,
-    opaque=PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale", varlen_attention),
+    signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["causal"], a["window"]), sharded=varlen_attention_cp,
+    opaque=PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale, int? window",
+                          varlen_attention),
     from_opaque=lambda outputs, _: outputs[0],
     layouts=("contiguous", "zigzag"))

@@ -9,7 +9,8 @@ scores blockwise instead of saving them).
 
 SDPA computes every score a mask hides; it skips none. So a causal row is cut into query blocks of
 :data:`QUERY_BLOCK` tokens and block ``b`` attends only the keys up to its own end: about half the scores
-(and mask) of one dense ``[T, T]`` call. The work stays quadratic in ``T`` whatever the documents' lengths:
+(and mask) of one dense ``[T, T]`` call. With a sliding window a block meets only the keys from
+``window - 1`` before its start to its end. The work stays quadratic in ``T`` whatever the documents' lengths:
 a static graph must serve a row holding one document of ``T`` tokens.
 
 Every token sees itself (causal) or its whole segment, so no softmax row is empty; the padding segment is a
@@ -33,7 +34,7 @@ QUERY_BLOCK = 256  # causal query block: fastest of 256, 512, 1024 compiled on C
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: StaticBoundaries, *,
-                     causal: bool, softmax_scale: float) -> torch.Tensor:
+                     causal: bool, softmax_scale: float, window: int | None = None) -> torch.Tensor:
     """Attention where each token sees only tokens of its own segment, read from tensors only.
 
     Args:
@@ -42,6 +43,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
         boundaries: the row's static boundaries (only ``seq_idx`` is read, as a tensor).
         causal: mask future tokens.
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
+        window: causal only: query ``i`` sees keys ``j`` with ``0 <= i - j < window`` (None: every earlier key).
 
     Returns:
         ``[1, T, H, D]`` in the dtype of ``q``.
@@ -64,9 +66,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
     blocks = []
     for start in range(0, num_tokens, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, num_tokens)
-        visible = ((segment[start:end, None] == segment[None, :end])
-                   & (token[start:end, None] >= token[None, :end]))               # [block, end]
-        blocks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+        first = 0 if window is None else max(0, start - window + 1)
+        distance = token[start:end, None] - token[None, first:end]                  # [block, end - first]
+        visible = (segment[start:end, None] == segment[None, first:end]) & (distance >= 0)
+        if window is not None:
+            visible &= distance < window
+        blocks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first:end], v[:, :, first:end],
                                                      attn_mask=visible, scale=softmax_scale,
                                                      enable_gqa=num_heads != num_kv_heads))
     return torch.cat(blocks, dim=2).transpose(1, 2)

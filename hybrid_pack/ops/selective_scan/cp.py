@@ -2,59 +2,58 @@
 
 Over one segment the state goes through ``h_out = exp(sum_t dt_t A) ⊙ h_in + h0``: the map is an elementwise
 decay ``[D, N]``, one per channel and state entry (the SSD's is one per head). An incoming state adds, at token
-``t`` of the first segment, ``(exp(s_t) ⊙ h_in) C_t`` to the scan's output (``s_t`` the inclusive cumulative
-``dt A`` from the segment's start); the ``D`` skip and the ``silu(z)`` gate come after and are local. So each
-rank scans its segments from zero (:mod:`.torch_backend`), all-gathers ``(h0 of its last segment, the decay of
-its first)`` and folds what precedes it (:mod:`hybrid_pack.parallel.state_passing`); the correction is a
-product per token. Exchanged per rank: ``world_size * 2 * D * N`` numbers, whatever the row length.
+``t`` of the first segment, ``(exp(s_t A) ⊙ h_in) C_t`` to the scan's output (``s_t`` the inclusive cumulative
+``dt`` from the segment's start): that is the scan of the first segment from ``h_in`` with no input. The ``D``
+skip and the ``silu(z)`` gate come after and are local. So each rank scans its segments from zero
+(:func:`.torch_backend.scan`, which also gives the last segment's final state), all-gathers ``(h0 of its last
+segment, the decay of its first)``, folds what precedes it (:mod:`hybrid_pack.parallel.state_passing`) and scans
+its first segment once more from the incoming state; both scans are chunked, so memory stays ``O(T_local·D)``.
+Exchanged per rank: ``world_size * 2 * D * N`` numbers, whatever the row length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops.selective_scan import torch_backend
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.state_passing import fold, gather_summaries, state_chain, tie
 
-__all__ = ["scan"]
+__all__ = ["selective_scan_cp"]
 
 
-def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-         boundaries: ShardedBoundaries) -> torch.Tensor:
-    """The state-space part of the selective scan on this rank's tokens, as the scan of the whole row gives it.
+def selective_scan_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                      B: torch.Tensor, C: torch.Tensor, boundaries: ShardedBoundaries, *, D: torch.Tensor | None,
+                      z: torch.Tensor | None, dt_bias: torch.Tensor | None, backend: str | None) -> torch.Tensor:
+    """This rank's part of :func:`hybrid_pack.ops.selective_scan` on the whole row.
 
     Args:
-        x, dt: ``[T_local, D]`` (``dt`` discretised: ``softplus(dt + dt_bias)``).
-        A: ``[D, N]``.
-        B, C: ``[T_local, N]``.
-        boundaries: this rank's :class:`ShardedBoundaries`, contiguous layout (:func:`~.op.selective_scan` moves
-            another layout's tokens to it), its process group checked.
+        op: the public single-device op, called with this rank's plain boundaries and ``backend`` when no state
+            crosses a rank edge; otherwise the pure-torch scan runs (the one that returns the last segment's
+            final state).
+        x, dt, z: ``[1, T_local, D]``; A ``[D, N]``; B, C ``[1, T_local, N]``; the rest as the op.
+        boundaries: this rank's :class:`ShardedBoundaries`, contiguous layout, its process group checked.
 
     Returns:
-        ``y [T_local, D]`` in the inputs' (common) dtype: this rank's rows of the whole row's ``h_t C_t``
-        (float64 inputs: equal to 1e-10, outputs and gradients).
+        ``y [1, T_local, D]``: this rank's rows of the whole row's result (float64 inputs: equal to 1e-10,
+        outputs and gradients).
     """
     local = boundaries.local
-    y = torch_backend.scan(x, dt, A, B, C, local)
     chain = state_chain(boundaries)
     if not chain.exchanges:
-        return y
+        return op(x, dt, A, B, C, local, D=D, z=z, dt_bias=dt_bias, backend=backend)
 
-    channels, state_dim = A.shape
-    # The last segment's final state from zero: sum_t exp(sum_{u > t} dt_u A) ⊙ (dt_t x_t) B_t^T, the decay
-    # summed from each token to the segment's end (a suffix sum: no difference of large cumulative sums).
-    last = local.segment_lengths[-1]
-    log_decay = dt[-last:].unsqueeze(-1) * A                                              # [last, D, N]
-    decay_after = torch.cat([log_decay[1:].flip(0).cumsum(0).flip(0), torch.zeros_like(log_decay[:1])]).exp()
-    last_state = torch.einsum("tdn,td,tn->dn", decay_after, dt[-last:] * x[-last:], B[-last:])
+    tokens, step, a, b, c = torch_backend.scan_inputs(x, dt, A, B, C, dt_bias)
+    y, last_state = torch_backend.scan(tokens, step, a, b, c, local)
     first = local.segment_lengths[0]
     if boundaries.continues_from_previous:
-        decay_to = torch.cumsum(dt[:first].unsqueeze(-1) * A, dim=0).exp()              # [first, D, N]
-        transition = decay_to[-1]
+        transition = torch.exp(step[:first].sum(0).unsqueeze(-1) * a)                      # [D, N]
     else:
         transition = torch.zeros_like(last_state)
-
+    channels, state_dim = a.shape
     summaries = gather_summaries(torch.cat([last_state.flatten(), transition.flatten()]), boundaries)
 
     def unpack(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +62,9 @@ def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
 
     incoming = fold(chain, summaries, unpack, torch.mul)                                   # [D, N] or None
     if incoming is not None:
-        correction = torch.einsum("tdn,tn->td", decay_to * incoming, C[:first])
+        first_segment = PackedBoundaries.from_lengths([first], device=tokens.device)
+        correction, _ = torch_backend.scan(torch.zeros_like(tokens[:first]), step[:first], a, b[:first], c[:first],
+                                           first_segment, initial_state=incoming)
         y = torch.cat([y[:first] + correction, y[first:]])
-    return tie(y, summaries)
+    y = tie(y, summaries)
+    return torch_backend.skip_and_gate(y, tokens, D, z).unsqueeze(0).to(x.dtype)

@@ -26,10 +26,20 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries.static import StaticBoundaries
+from hybrid_pack.ops.selective_scan.torch_backend import scan_inputs, skip_and_gate
 
-__all__ = ["scan", "CHUNK_SIZE"]
+__all__ = ["selective_scan", "scan", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 16  # sequential steps per chunk; the chunks' ends then take log2(T / CHUNK_SIZE) passes
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   boundaries: StaticBoundaries, *, D: torch.Tensor | None, z: torch.Tensor | None,
+                   dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """The op (:func:`hybrid_pack.ops.selective_scan`) on a static row: ``y [1, T, D]`` in x's dtype."""
+    tokens, step, a, b, c = scan_inputs(x, dt, A, B, C, dt_bias)
+    y = scan(tokens, step, a, b, c, boundaries)
+    return skip_and_gate(y, tokens, D, z).unsqueeze(0).to(x.dtype)
 
 
 def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

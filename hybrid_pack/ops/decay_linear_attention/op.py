@@ -1,0 +1,88 @@
+"""Decay linear attention (MiniMax's lightning attention) with its state reset at every document start
+(docs/api.md §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.decay_linear_attention.check import OP, signature_of
+from hybrid_pack.ops.decay_linear_attention.cp import decay_linear_attention_cp
+from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.library import PackedCustomOp
+from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
+from hybrid_pack.parallel.compile import eager_on_shards
+
+
+@eager_on_shards
+def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           boundaries: PackedBoundaries | StaticBoundaries, *, scale: float | None = None,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+    ``S`` starts from zero (or ``initial_state[n]``) at the first token of each document ``n``. MiniMax's lightning
+    attention is this with ``g = -slope_rate`` (a constant per head) and ``scale = 1``; fla's simple GLA is it with
+    a data-dependent ``g``.
+
+    Args:
+        q, k: ``[1, T, H, K]``.
+        v: ``[1, T, H, V]``.
+        g: log decay (<= 0): ``[H]``, the same at every token (its gradient is the sum over the tokens), or
+            ``[1, T, H]``, one per token.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries` runs
+            this rank's slice of a row split across a context-parallel group (see
+            :func:`~hybrid_pack.ops.decay_linear_attention.cp.decay_linear_attention_cp` for what ``initial_state``
+            and the final states then mean).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` for the ``N = boundaries.num_docs`` documents (the padding segment, if any,
+            starts from zero); with :class:`StaticBoundaries`, one per segment slot (``N = boundaries.num_segments``).
+        output_final_state: also return each document's final state ``[N, H, K, V]`` (float32; float64 for float64
+            inputs).
+        backend: force a backend (see :mod:`hybrid_pack.backends`).
+
+    Returns:
+        ``(o [1, T, H, V] in v's dtype, final_state or None)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_packed(name, t, boundaries, 4)
+    check_shape("k", k, q.shape)
+    _, t_len, h, k_dim = q.shape
+    if v.shape[2] != h:
+        raise InputError(f"v: expected {h} heads (q's); got shape {list(v.shape)}")
+    v_dim = v.shape[3]
+    if g.dim() == 1:
+        check_shape("g", g, (h,))
+        g = g.expand(1, t_len, h)
+    else:
+        check_shape("g", g, (1, t_len, h))
+    check_shape("initial_state", initial_state, (document_slots(boundaries), h, k_dim, v_dim))
+    scale = k_dim ** -0.5 if scale is None else float(scale)
+    arguments = {"q": q, "k": k, "v": v, "g": g, "scale": scale, "initial_state": initial_state,
+                 "output_final_state": output_final_state}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, initial_state))
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
+           boundaries: PackedBoundaries, **options: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return decay_linear_attention(q, k, v, g, boundaries, initial_state=initial_state, **options)
+
+
+def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state: bool,
+          **options: object) -> list[torch.Tensor]:
+    q, k, v = tensors[:3]
+    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=state_dtype(q.dtype))]
+    return [v.new_empty(v.shape), *(state if output_final_state else [])]
+
+
+ROUTE = OpRoute(
+    OP, decay_linear_attention, positional=("q", "k", "v", "g"),
+    signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], initial_state=a["initial_state"],
+                                     output_final_state=a["output_final_state"]),
+    sharded=decay_linear_attention_cp,
+    opaque=PackedCustomOp("decay_linear_attention", ("q", "k", "v", "g", "initial_state?"),
+                          "float scale, bool output_final_state", _eager, fake=_fake, state_input=4),
+    from_opaque=lambda outputs, a: (outputs[0], outputs[1] if a["output_final_state"] else None),
+    layouts=("contiguous",))

@@ -1,0 +1,87 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with one decay per key channel, its state reset at every
+document start (docs/api.md §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.static import StaticBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.kda.check import OP, signature_of
+from hybrid_pack.ops.kda.cp import kda_cp
+from hybrid_pack.ops.library import PackedCustomOp
+from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
+from hybrid_pack.parallel.compile import eager_on_shards
+
+
+@eager_on_shards
+def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        boundaries: PackedBoundaries | StaticBoundaries, *, scale: float | None = None,
+        initial_state: torch.Tensor | None = None, output_final_state: bool = False, use_qk_l2norm: bool = False,
+        backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``S_t = D_t S_{t-1} + beta_t k_t (v_t - (D_t S_{t-1})^T k_t)^T`` with ``D_t = diag(exp(g_t))`` over the
+    key channels, ``o_t = scale S_t^T q_t`` (Kimi Linear's ``chunk_kda``).
+
+    ``S`` starts from zero (or ``initial_state[n]``) at the first token of each document ``n``.
+
+    Args:
+        q, k: ``[1, T, H, K]``.
+        v: ``[1, T, HV, V]`` with ``HV % H == 0`` (each q/k head serves ``HV // H`` value heads).
+        g: ``[1, T, HV, K]``, log decay of every key channel (<= 0; the gate is computed by the caller, e.g.
+            ``-exp(A_log) * softplus(f + dt_bias)``).
+        beta: ``[1, T, HV]``, write strength.
+        boundaries: where the documents of the row start; a :class:`~hybrid_pack.parallel.ShardedBoundaries`
+            runs this rank's slice of a row split across a context-parallel group (see :mod:`.cp`).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` for the ``N = boundaries.num_docs`` documents (the padding segment, if
+            any, starts from zero); with :class:`StaticBoundaries`, one per segment slot (``N =
+            boundaries.num_segments``).
+        output_final_state: also return each document's final state ``[N, HV, K, V]`` (float32; float64 for
+            float64 inputs).
+        use_qk_l2norm: L2-normalise q and k over K first (``x / sqrt(sum(x^2) + 1e-6)``).
+        backend: force a backend (see :mod:`hybrid_pack.backends`).
+
+    Returns:
+        ``(o [1, T, HV, V] in v's dtype, final_state or None)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_packed(name, t, boundaries, 4)
+    check_shape("k", k, q.shape)
+    _, t_len, h, k_dim = q.shape
+    hv, v_dim = v.shape[2], v.shape[3]
+    if hv % h:
+        raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
+    check_shape("g", g, (1, t_len, hv, k_dim))
+    check_shape("beta", beta, (1, t_len, hv))
+    check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
+    scale = k_dim ** -0.5 if scale is None else float(scale)
+    arguments = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
+                 "output_final_state": output_final_state, "use_qk_l2norm": use_qk_l2norm}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, beta, initial_state))
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           initial_state: torch.Tensor | None, boundaries: PackedBoundaries,
+           **options: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return kda(q, k, v, g, beta, boundaries, initial_state=initial_state, **options)
+
+
+def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state: bool,
+          **options: object) -> list[torch.Tensor]:
+    q, k, v = tensors[:3]
+    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=state_dtype(q.dtype))]
+    return [v.new_empty(v.shape), *(state if output_final_state else [])]
+
+
+ROUTE = OpRoute(
+    OP, kda, positional=("q", "k", "v", "g", "beta"),
+    signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
+                                     output_final_state=a["output_final_state"], use_qk_l2norm=a["use_qk_l2norm"]),
+    sharded=kda_cp,
+    opaque=PackedCustomOp("kda", ("q", "k", "v", "g", "beta", "initial_state?"),
+                          "float scale, bool output_final_state, bool use_qk_l2norm", _eager, fake=_fake,
+                          state_input=5),
+    from_opaque=lambda outputs, a: (outputs[0], outputs[1] if a["output_final_state"] else None),
+    layouts=("contiguous",))

@@ -1,0 +1,186 @@
+"""A patched model stays patched and correct where real models go (SPEC §6b).
+
+- ``pickle``, ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``torch.multiprocessing.spawn`` keep every
+  mixer patched: the copy is still isolated on packed rows (init 0.2, so a leak is the size of the logits).
+- Nothing per call is stored on a shared object: threads calling one model, packed and padded mixed, each get
+  their single-threaded result.
+- Patching leaves every other model of the process computing bitwise what it computed before any patching
+  (checked in a fresh interpreter, where nothing was patched yet).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.integrations.transformers import patch_model
+from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, pure_torch_transformers, tiny_config
+from hybrid_pack.testing import check_isolation
+
+FAMILIES = sorted(TINY_CONFIGS)
+LENGTHS = [7, 13, 5]
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _high_init(family: str) -> torch.nn.Module:
+    config = tiny_config(family)
+    config.initializer_range = 0.2
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _pickled(model: torch.nn.Module) -> torch.nn.Module:
+    return pickle.loads(pickle.dumps(model))
+
+
+def _torch_saved(model: torch.nn.Module) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+ROUND_TRIPS: dict[str, Callable[[torch.nn.Module], torch.nn.Module]] = {
+    "pickle": _pickled, "torch.save": _torch_saved, "deepcopy": copy.deepcopy}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("trip", sorted(ROUND_TRIPS))
+def test_a_copied_patched_model_is_still_isolated(family: str, trip: str) -> None:
+    model = patch_model(_high_init(family))
+    copied = ROUND_TRIPS[trip](model)
+    report = check_isolation(copied, lengths=LENGTHS, grads=True, atol=1e-5)
+    assert report.ok, str(report)
+    assert patch_model(copied) is copied
+
+
+def _spawned(rank: int, model: torch.nn.Module, queue: torch.multiprocessing.SimpleQueue) -> None:
+    report = check_isolation(model, lengths=LENGTHS, grads=False, atol=1e-5)
+    queue.put((report.ok, str(report)))
+
+
+@pytest.mark.slow
+def test_a_patched_model_sent_to_a_spawned_process_is_still_isolated() -> None:
+    context = torch.multiprocessing.get_context("spawn")
+    queue = context.SimpleQueue()
+    torch.multiprocessing.spawn(_spawned, args=(patch_model(_high_init("bamba")), queue), nprocs=1)
+    ok, report = queue.get()
+    assert ok, report
+
+
+def _calls(seed: int) -> list[dict[str, torch.Tensor]]:
+    """Packed rows and padded batches with an ``attention_mask``, alternating."""
+    generator = torch.Generator().manual_seed(seed)
+    calls = []
+    for i in range(60):
+        if i % 2:
+            ids = torch.randint(3, VOCAB, (1, sum(LENGTHS)), generator=generator)
+            calls.append({"input_ids": ids, **PackedBoundaries.from_lengths(LENGTHS).hf_kwargs()})
+        else:
+            mask = torch.ones(2, 11, dtype=torch.long)
+            mask[i % 4 // 2, :1 + i % 5] = 0
+            calls.append({"input_ids": torch.randint(3, VOCAB, (2, 11), generator=generator), "attention_mask": mask})
+    return calls
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_threads_on_one_model_get_their_own_results(family: str) -> None:
+    model = patch_model(_high_init(family))
+    work = [_calls(seed) for seed in range(4)]
+    with torch.no_grad(), pure_torch_transformers(model):
+        expected = [[model(**call).logits for call in calls] for calls in work]
+    got: list[list[torch.Tensor]] = [[] for _ in work]
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            with torch.no_grad():
+                got[index] = [model(**call).logits for call in work[index]]
+        except BaseException as error:   # reported below, on the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    with pure_torch_transformers(model):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors
+    wrong = [(t, c) for t in range(len(work)) for c in range(len(work[t]))
+             if not torch.equal(got[t][c], expected[t][c])]
+    assert not wrong, f"{len(wrong)} of {sum(map(len, work))} calls differ from their single-threaded result"
+
+
+_OTHER_MODELS = textwrap.dedent("""
+    import warnings, torch
+    warnings.simplefilter("ignore")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from hybrid_pack.errors import UnsupportedModelError
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, pure_torch_transformers, tiny_config
+
+    def build(config):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+    def outputs(models):
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, :5] = 0
+        ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+        restarting = torch.tensor([list(range(5)) + list(range(7))])
+        result = {}
+        for name, model in models.items():
+            with torch.no_grad(), pure_torch_transformers(model):
+                for implementation in ("sdpa", "eager"):
+                    try:
+                        model.set_attn_implementation(implementation)
+                    except ValueError:   # a family without softmax attention (Mamba) takes only "eager"
+                        continue
+                    result[name, implementation, "padded"] = model(input_ids=ids, attention_mask=mask).logits
+                    result[name, implementation, "positions"] = model(input_ids=ids[:1],
+                                                                      position_ids=restarting).logits
+        return result
+
+    llama = LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1)
+    others = {"llama": build(llama)} | {family: build(tiny_config(family)) for family in sorted(TINY_CONFIGS)}
+    before = outputs(others)
+    for family in sorted(TINY_CONFIGS):
+        try:
+            patch_model(build(tiny_config(family)))
+        except UnsupportedModelError:   # a refusal leaves the others unchanged too
+            pass
+    after = outputs(others)
+    changed = [key for key in before if not torch.equal(before[key], after[key])]
+    print("CHANGED", changed)
+    assert not changed
+""")
+
+
+@pytest.mark.slow
+def test_patching_leaves_every_other_model_bitwise_unchanged() -> None:
+    """Unpatched models of every family (and Llama), padded and with restarting positions, ``sdpa`` and ``eager``:
+    bitwise the same logits after other models of their families were patched as before any patching."""
+    result = subprocess.run([sys.executable, "-c", _OTHER_MODELS], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
