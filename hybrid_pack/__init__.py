@@ -22,6 +22,7 @@ _LAZY = {
     "PackingCollator": "hybrid_pack.collate",
     "packed_loss": "hybrid_pack.loss",
     "use_backends": "hybrid_pack.backends",
+    "batch_invariant": "hybrid_pack.ops.invariant",
 }
 
 __all__ = ["PackedBoundaries", "__version__", *_LAZY]

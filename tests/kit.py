@@ -377,3 +377,13 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
         return result
 
     return planted
+
+
+def widened(module: torch.nn.Module, std: float = 0.2, seed: int = 1) -> torch.nn.Module:
+    """``module`` with every weight matrix redrawn at ``std`` (a leak then moves the logits by their own size)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, std)
+    return module

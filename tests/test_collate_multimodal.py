@@ -19,6 +19,7 @@ from hybrid_pack.integrations.transformers.mrope import MRopePositions, mrope_po
 from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_vlm_model
 from hybrid_pack.packing import PackedBatchSampler, SlicedDataset, pack_stream
 from hybrid_pack.packing.slicing import slice_example
+from hybrid_pack.testing.multimodal import vision_sample
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 
@@ -29,37 +30,8 @@ def model(request: pytest.FixtureRequest) -> torch.nn.Module:
 
 
 def _sample(config, segments: list[tuple[str, object]], seed: int) -> dict:
-    """A processor-like sample: ``("text", n)`` runs of text tokens, ``("image", (t, h, w))`` an image as
-    ``vision_start, image_token * (t*h*w // merge**2), vision_end``, ``("video", (t, h, w))`` a video as one such
-    run of ``h*w // merge**2`` video tokens per frame, frames separated by a timestamp token (Qwen3.5's layout)."""
-    vision = config.vision_config
-    merge, patch = vision.spatial_merge_size, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    start, end = config.vision_start_token_id, config.vision_end_token_id
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    types: list[int] = []
-    grids: dict[str, list] = {"image": [], "video": []}
-    for kind, value in segments:
-        if kind == "text":
-            ids += torch.randint(3, 100, (value,), generator=gen).tolist()
-            types += [0] * value
-            continue
-        t, h, w = value
-        grids[kind].append([t, h, w])
-        token, type_id = (config.image_token_id, 1) if kind == "image" else (config.video_token_id, 2)
-        frames = [t * h * w // merge**2] if kind == "image" else [h * w // merge**2] * t
-        for frame, count in enumerate(frames):
-            prefix = [start] if frame == 0 else [7, start]  # a timestamp token between video frames
-            ids += prefix + [token] * count + [end]
-            types += [0] * len(prefix) + [type_id] * count + [0]
-    sample: dict = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
-    for kind, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                      ("video", "pixel_values_videos", "video_grid_thw")):
-        if grids[kind]:
-            grid = torch.tensor(grids[kind])
-            sample[grid_key] = grid
-            sample[pixel_key] = torch.randn(int(grid.prod(dim=1).sum()), patch, generator=gen)
-    return sample
+    """A processor-like sample (:func:`hybrid_pack.testing.multimodal.vision_sample`)."""
+    return vision_sample(config, segments, torch.Generator().manual_seed(seed))
 
 
 def _samples(config) -> list[dict]:

@@ -36,7 +36,7 @@ from hybrid_pack.schema import (
 )
 from hybrid_pack.testing.report import DocumentResult, LayoutResult
 
-__all__ = ["VisionLayout", "check_vision_layout", "text_vocab_size", "vision_config", "vision_layouts",
+__all__ = ["VisionLayout", "check_vision_layout", "text_vocab_size", "vision_config", "vision_layouts", "vision_sample",
            "vision_position_rule", "vision_samples"]
 
 _VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -109,46 +109,50 @@ def vision_layouts(config: Any) -> list[VisionLayout]:
     ]
 
 
-def vision_samples(config: Any, layout: VisionLayout, generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
-    """Processor-style samples of ``layout``: ``input_ids`` ``[L]`` int64, ``mm_token_type_ids`` ``[L]`` int64 and,
-    for a document with images (videos), ``pixel_values`` ``[P, C]`` float32 with ``image_grid_thw`` ``[n, 3]``
-    (videos likewise). An image is ``vision_start``, ``t * h * w / merge**2`` image tokens, ``vision_end``; a video
-    one such run of ``h * w / merge**2`` video tokens per frame, a text token between frames. A text-only document
-    has ``input_ids`` alone."""
+def vision_sample(config: Any, segments: Sequence[tuple[str, Any]], generator: torch.Generator,
+                  ) -> dict[str, torch.Tensor]:
+    """One processor-style sample of ``segments`` (``("text", n)``, ``("image", (t, h, w))``, ``("video", (t, h,
+    w))``): ``input_ids`` ``[L]`` int64 and, with images (videos), ``mm_token_type_ids`` ``[L]`` int64 and
+    ``pixel_values`` ``[P, C]`` float32 with ``image_grid_thw`` ``[n, 3]`` (videos likewise). An image is
+    ``vision_start``, ``t * h * w / merge**2`` image tokens, ``vision_end``; a video one such run of
+    ``h * w / merge**2`` video tokens per frame, a text token between frames. Text tokens are drawn below the vision
+    token ids."""
     vision = config.vision_config
     merge = vision.spatial_merge_size
     channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     vocab = text_vocab_size(config)
-    samples = []
-    for segments in layout.documents:
-        ids: list[int] = []
-        types: list[int] = []
-        grids: dict[str, list[list[int]]] = {"image": [], "video": []}
-        for kind, value in segments:
-            if kind == "text":
-                ids += torch.randint(0, vocab, (value,), generator=generator).tolist()
-                types += [0] * value
-                continue
-            t, h, w = value
-            grids[kind].append([t, h, w])
-            token, type_id = (config.image_token_id, 1) if kind == "image" else (config.video_token_id, 2)
-            frames = [t * h * w // merge**2] if kind == "image" else [h * w // merge**2] * t
-            for frame, count in enumerate(frames):
-                prefix = [config.vision_start_token_id]
-                if frame:
-                    prefix = [int(torch.randint(0, vocab, (1,), generator=generator)), *prefix]
-                ids += prefix + [token] * count + [config.vision_end_token_id]
-                types += [0] * len(prefix) + [type_id] * count + [0]
-        sample = {INPUT_IDS: torch.tensor(ids)}
-        if grids["image"] or grids["video"]:
-            sample[MM_TOKEN_TYPE_IDS] = torch.tensor(types)
-        for kind, (pixel_key, grid_key) in zip(("image", "video"), _PIXEL_KEYS, strict=True):
-            if grids[kind]:
-                grid = torch.tensor(grids[kind])
-                sample[grid_key] = grid
-                sample[pixel_key] = torch.randn(int(grid.prod(dim=1).sum()), channels, generator=generator)
-        samples.append(sample)
-    return samples
+    ids: list[int] = []
+    types: list[int] = []
+    grids: dict[str, list[list[int]]] = {"image": [], "video": []}
+    for kind, value in segments:
+        if kind == "text":
+            ids += torch.randint(0, vocab, (value,), generator=generator).tolist()
+            types += [0] * value
+            continue
+        t, h, w = value
+        grids[kind].append([t, h, w])
+        token, type_id = (config.image_token_id, 1) if kind == "image" else (config.video_token_id, 2)
+        frames = [t * h * w // merge**2] if kind == "image" else [h * w // merge**2] * t
+        for frame, count in enumerate(frames):
+            prefix = [config.vision_start_token_id]
+            if frame:
+                prefix = [int(torch.randint(0, vocab, (1,), generator=generator)), *prefix]
+            ids += prefix + [token] * count + [config.vision_end_token_id]
+            types += [0] * len(prefix) + [type_id] * count + [0]
+    sample = {INPUT_IDS: torch.tensor(ids)}
+    if grids["image"] or grids["video"]:
+        sample[MM_TOKEN_TYPE_IDS] = torch.tensor(types)
+    for kind, (pixel_key, grid_key) in zip(("image", "video"), _PIXEL_KEYS, strict=True):
+        if grids[kind]:
+            grid = torch.tensor(grids[kind])
+            sample[grid_key] = grid
+            sample[pixel_key] = torch.randn(int(grid.prod(dim=1).sum()), channels, generator=generator)
+    return sample
+
+
+def vision_samples(config: Any, layout: VisionLayout, generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """The processor-style samples of ``layout``, one :func:`vision_sample` per document."""
+    return [vision_sample(config, segments, generator) for segments in layout.documents]
 
 
 def _perturbed(sample: Mapping[str, torch.Tensor], vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:

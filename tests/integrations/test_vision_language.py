@@ -24,9 +24,10 @@ from hybrid_pack.integrations.transformers.tiny import (
     VISION_TOKENS,
     pure_torch_transformers,
     tiny_vlm_model,
-    tiny_vlm_sample,
 )
 from hybrid_pack.testing import check_isolation
+from hybrid_pack.testing.multimodal import vision_sample
+from tests.kit import widened
 
 FAMILIES = sorted(TINY_VLM_CONFIGS)
 LENGTHS = [7, 13, 5]
@@ -42,12 +43,9 @@ def _quiet() -> Iterator[None]:
 
 
 def _high_init(family: str) -> torch.nn.Module:
+    """The tiny vision-language model with its language model's weights drawn at std 0.2 (fp32)."""
     model = tiny_vlm_model(family)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.model.language_model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0, 0.2)
+    widened(model.model.language_model)
     return model
 
 
@@ -96,13 +94,17 @@ def test_the_vision_tower_is_left_as_it_is() -> None:
 
 # --- packed rows with images and videos (SPEC §3b) ----------------------------------------------------------------
 
+def _sample(config: object, segments: list[tuple[str, object]], seed: int) -> dict[str, torch.Tensor]:
+    return vision_sample(config, segments, torch.Generator().manual_seed(seed))
+
+
 def _samples(config: object, *, video: bool) -> list[dict[str, torch.Tensor]]:
     """An image document, a text-only one, a wider image between text (and a video document)."""
-    samples = [tiny_vlm_sample(config, [("text", 3), ("image", (1, 4, 4)), ("text", 5)], seed=0),
-               tiny_vlm_sample(config, [("text", 9)], seed=1),
-               tiny_vlm_sample(config, [("text", 2), ("image", (1, 4, 8)), ("text", 4)], seed=2)]
+    samples = [_sample(config, [("text", 3), ("image", (1, 4, 4)), ("text", 5)], seed=0),
+               _sample(config, [("text", 9)], seed=1),
+               _sample(config, [("text", 2), ("image", (1, 4, 8)), ("text", 4)], seed=2)]
     if video:
-        samples.append(tiny_vlm_sample(config, [("text", 2), ("video", (2, 4, 4)), ("text", 3)], seed=3))
+        samples.append(_sample(config, [("text", 2), ("video", (2, 4, 4)), ("text", 3)], seed=3))
     return samples
 
 
@@ -191,7 +193,7 @@ def test_the_vision_tower_keeps_each_image_apart() -> None:
     three images encoded together equal each image encoded alone."""
     model = tiny_vlm_model("qwen3_5")
     config = model.config
-    sample = tiny_vlm_sample(config, [("image", (1, 4, 4)), ("image", (1, 8, 4)), ("image", (1, 4, 8))], seed=5)
+    sample = _sample(config, [("image", (1, 4, 4)), ("image", (1, 8, 4)), ("image", (1, 4, 8))], seed=5)
     pixels, grids = sample["pixel_values"], sample["image_grid_thw"]
     rows = grids.prod(dim=1).tolist()
     with torch.no_grad():

@@ -23,7 +23,8 @@ pytest.importorskip("accelerate")
 from hybrid_pack import PackingCollator
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.mrope import mrope_position_ids
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_vlm_model, tiny_vlm_sample
+from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_vlm_model
+from hybrid_pack.testing.multimodal import vision_sample
 
 FAMILY = "qwen3_5"
 SEGMENTS = [
@@ -108,7 +109,8 @@ def test_packed_trainer_step_on_images_equals_samples_alone(tmp_path) -> None:
     from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 
     model = patch_model(_model())
-    samples = [tiny_vlm_sample(model.config, segments, seed=i) for i, segments in enumerate(SEGMENTS)]
+    samples = [vision_sample(model.config, segments, torch.Generator().manual_seed(i))
+               for i, segments in enumerate(SEGMENTS)]
     samples[1] = {"input_ids": samples[1]["input_ids"]}                       # a sample without any vision key
     lengths = [len(s["input_ids"]) for s in samples]
     args = TrainingArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
@@ -134,7 +136,8 @@ def test_packed_trainer_takes_the_models_positions(tmp_path) -> None:
     from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 
     model = patch_model(_model())
-    samples = [tiny_vlm_sample(model.config, segments, seed=i) for i, segments in enumerate(SEGMENTS[:2])]
+    samples = [vision_sample(model.config, segments, torch.Generator().manual_seed(i))
+               for i, segments in enumerate(SEGMENTS[:2])]
     lengths = [len(s["input_ids"]) for s in samples]
     args = TrainingArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
                              disable_tqdm=True)

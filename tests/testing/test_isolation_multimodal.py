@@ -25,6 +25,7 @@ from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, 
 from hybrid_pack.isolation.vision import document_vision_inputs
 from hybrid_pack.testing import PackingGuard, check_isolation
 from hybrid_pack.testing.multimodal import VisionLayout, text_vocab_size, vision_layouts, vision_samples
+from tests.kit import widened
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 ATOL = 1e-5
@@ -42,11 +43,7 @@ def _quiet() -> Iterator[None]:
 def _high_init(family: str) -> torch.nn.Module:
     """The tiny vision-language model with its language model's weights drawn at std 0.2 (fp32)."""
     model = tiny_vlm_model(family)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.model.language_model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0, 0.2)
+    widened(model.model.language_model)
     return model
 
 

@@ -11,7 +11,7 @@ per ``model/row[/zigzag]``: the :func:`relative_error` of the gathered logits an
 the summed float64 loss (:func:`packed_loss` of the logits) and of the loss the model returns itself, and of
 the summed parameter gradients: those the model computes in float64 and, apart, those it rounds to float32
 (named); with the contiguous layout, of the row cut into documents at the rank edges (what the comparison
-must tell apart from the right answer). A family with a layer of a kind in :data:`WITHOUT_CONTEXT_PARALLEL`
+must tell apart from the right answer). A family with a layer of a kind that refuses a shard (``Kind.context_parallel``)
 (Qwen4-Exp) has, instead of those, ``refused/<family>``: the error its sharded forward raised. Per patched family
 with softmax attention served by :mod:`~hybrid_pack.integrations.transformers.attention` (the rest),
 ``eager/<family>``: the error a sharded forward with ``attn_implementation="eager"`` raised (eager attention masks
@@ -36,7 +36,7 @@ from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.attention import is_packed_attention
-from hybrid_pack.integrations.transformers.families import INDEXED_ATTENTION, NGRAM_EMBEDDING, family_of
+from hybrid_pack.integrations.transformers.families import family_of
 from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, tiny_config, tiny_model
 from hybrid_pack.isolation import Layout, relative_error
 from hybrid_pack.modeling import from_preset
@@ -50,10 +50,6 @@ ROWS = (Layout("crossing", (10, 40, 14)), Layout("padded", (10, 40, 8), num_pad_
 ZIGZAG_ROW = ROWS[0]
 """Also split in the zigzag layout (chunks of 16 tokens: rank 0 holds tokens 0-15 and 48-63)."""
 PRESETS = ("qwen3-next-tiny", "bamba-tiny")
-WITHOUT_CONTEXT_PARALLEL = (INDEXED_ATTENTION, NGRAM_EMBEDDING)
-"""Layer kinds whose packed forwards refuse a :class:`ShardedBoundaries` (integrations/transformers/qsa.py,
-glm5_next.py, qwen4_exp.py): their look-backs select or read earlier tokens of whole documents."""
-
 
 @functools.cache
 def _patched_on_meta(family: str) -> torch.nn.Module:
@@ -65,11 +61,12 @@ def _patched_on_meta(family: str) -> torch.nn.Module:
 
 
 def layers_without_context_parallel(family: str) -> list[str]:
-    """The module classes of ``family``'s tiny model whose layer kind is in :data:`WITHOUT_CONTEXT_PARALLEL`."""
+    """The module classes of ``family``'s tiny model whose layer kind refuses a context-parallel shard
+    (``Kind.context_parallel`` false: their look-backs select or read earlier tokens of whole documents)."""
     model = _patched_on_meta(family)
     present = {type(module).__name__ for module in model.modules()}
     return [name for name, layer in family_of(model).layers.items()
-            if layer.kind in WITHOUT_CONTEXT_PARALLEL and name in present]
+            if not layer.kind.context_parallel and name in present]
 
 
 def attention_layers(family: str) -> list[str]:

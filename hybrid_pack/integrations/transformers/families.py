@@ -43,10 +43,12 @@ PackedForward = Callable[[torch.nn.Module, torch.Tensor, PackedBoundaries], torc
 
 @dataclass(frozen=True)
 class Kind:
-    """A layer kind: what it carries across tokens, and the §4 ops (``hybrid_pack.ops``) its packed forward runs."""
+    """A layer kind: what it carries across tokens, the §4 ops (``hybrid_pack.ops``) its packed forward runs, and
+    whether it serves a context-parallel shard (``ShardedBoundaries``) or refuses it by name."""
 
     name: str
     ops: tuple[str, ...]
+    context_parallel: bool = True
 
 
 ATTENTION = Kind("softmax attention (full, sliding window, MLA)", ("varlen_attention",))
@@ -56,8 +58,8 @@ MAMBA2 = Kind("Mamba-2", ("causal_conv1d", "mamba2_ssd"))
 MAMBA1 = Kind("Mamba-1", ("causal_conv1d", "selective_scan"))
 SHORT_CONV = Kind("gated short convolution", ("causal_conv1d",))
 DECAY_LINEAR_ATTENTION = Kind("lightning (decay linear) attention", ("decay_linear_attention",))
-INDEXED_ATTENTION = Kind("indexed (DSA-style) sparse attention", ("indexed_attention",))
-NGRAM_EMBEDDING = Kind("per-layer hashed n-gram embedding with a dilated convolution", ())
+INDEXED_ATTENTION = Kind("indexed (DSA-style) sparse attention", ("indexed_attention",), context_parallel=False)
+NGRAM_EMBEDDING = Kind("per-layer hashed n-gram embedding with a dilated convolution", (), context_parallel=False)
 
 
 @dataclass(frozen=True)

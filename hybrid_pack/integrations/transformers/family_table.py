@@ -18,13 +18,16 @@ def _row(family: Family) -> str:
     layers = "<br>".join(f"`{name}`: {layer.kind.name}" for name, layer in family.layers.items())
     ops = ", ".join(f"`{op}`" for op in dict.fromkeys(op for kind in (*family.kinds, ATTENTION) for op in kind.ops))
     hand_offs = ", ".join(f"`{parent}` -> `.{child}`" for parent, child in family.hand_offs.items()) or "—"
-    return f"| {family.name} | {types} | {layers} | {ops} | {hand_offs} |"
+    refusing = [kind.name for kind in family.kinds if not kind.context_parallel]
+    parallel = f"refused: {', '.join(refusing)}" if refusing else "yes"
+    return f"| {family.name} | {types} | {layers} | {ops} | {parallel} | {hand_offs} |"
 
 
 def markdown_family_table() -> str:
-    """Every served family (its layer kinds, the §4 ops they run on, the hand-offs) and every refused one (the
-    missing layer kind), as markdown between the markers."""
-    lines = [BEGIN, "| family | `model_type` | layers patched: kind | ops | hand-offs |", "|---|---|---|---|---|"]
+    """Every served family (its layer kinds, the §4 ops they run on, whether a context-parallel shard is served,
+    the hand-offs) and every refused one (the missing layer kind), as markdown between the markers."""
+    lines = [BEGIN, "| family | `model_type` | layers patched: kind | ops | context parallel | hand-offs |",
+             "|---|---|---|---|---|---|"]
     lines += [_row(family) for family in FAMILIES]
     lines += ["", "| refused `model_type` | missing layer kind |", "|---|---|"]
     lines += [f"| `{model_type}` | {why} |" for model_type, why in REFUSED.items()]

@@ -11,6 +11,10 @@ Each op validates its arguments, then hands them to its :class:`OpRoute`, which 
 - :class:`~hybrid_pack.parallel.ShardedBoundaries` (this rank's slice of a row split across a context-parallel
   group): a sharded backend with its own exchanges when one serves (:func:`~.selector.resolve_sharded`), else
   the op's pure-torch context-parallel path around the whole-row backends.
+
+Inside :func:`hybrid_pack.batch_invariant` a sequence-mixing op takes none of these paths: its pure-torch backend
+(:func:`~.selector.resolve_invariant`) runs once per segment in the segment's canonical row
+(:func:`hybrid_pack.ops.invariant.per_document`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
+from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
 from hybrid_pack.ops.dispatch.registry import get_backend
-from hybrid_pack.ops.dispatch.selector import describe, resolve, resolve_sharded, static_choice
+from hybrid_pack.ops.dispatch.selector import describe, resolve, resolve_invariant, resolve_sharded, static_choice
+from hybrid_pack.ops.invariant import SEQUENCE_MIXING, is_batch_invariant, per_document
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.relayout import on_contiguous
 
@@ -71,6 +77,8 @@ class OpRoute:
         device, dtype = first.device, first.dtype
         signature = self.signature(arguments)
         inputs = {**arguments, "requires_grad": requires_grad}
+        if self.op in SEQUENCE_MIXING and is_batch_invariant():
+            return self._invariant(arguments, boundaries, device, dtype, backend, requires_grad)
         if isinstance(boundaries, StaticBoundaries):
             name = static_choice(self.op, str(device), dtype_name(dtype), requires_grad, backend, signature,
                                  describe(inputs), not torch.compiler.is_compiling())
@@ -96,6 +104,16 @@ class OpRoute:
         chosen = resolve(self.op, device=device, dtype=dtype, requires_grad=requires_grad, backend=backend,
                          inputs=inputs, signature=signature)
         return self._call(chosen.fn, arguments, boundaries)
+
+    def _invariant(self, arguments: Mapping[str, Any], boundaries: Any, device: torch.device, dtype: torch.dtype,
+                   backend: str | None, requires_grad: bool) -> Any:
+        """Inside :func:`hybrid_pack.batch_invariant`: the pure-torch backend, one canonical call per segment."""
+        if not isinstance(boundaries, PackedBoundaries):
+            raise InputError(f"boundaries: inside batch_invariant() {self.op} takes a whole row's PackedBoundaries "
+                             f"(eager); got {type(boundaries).__name__} (compiled static rows and rows split across "
+                             "a context-parallel group are not covered by the mode)")
+        chosen = resolve_invariant(self.op, device=device, dtype=dtype, requires_grad=requires_grad, backend=backend)
+        return per_document(self.op, chosen.fn, self.positional, arguments, boundaries)
 
     def _call(self, fn: Callable[..., Any], arguments: Mapping[str, Any], boundaries: Any) -> Any:
         keywords = {name: value for name, value in arguments.items() if name not in self.positional}

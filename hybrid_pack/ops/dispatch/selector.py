@@ -36,7 +36,7 @@ from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
 __all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "resolve_sharded", "static_choice", "describe", "select",
            "use_backends", "verification_enabled", "verdict_for", "verdict_key", "local_verdict", "check_now",
-           "decisions", "discovering", "is_discovering"]
+           "decisions", "discovering", "is_discovering", "resolve_invariant"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -281,6 +281,36 @@ def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad:
             if not _discovering.get():
                 _log_once(op, candidate.name, why)
     raise BackendUnavailableError(f"{op}: no backend can run on {device.type} with {dtype_name(dtype)}")
+
+
+def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
+                      backend: str | None) -> Backend:
+    """The backend that runs ``op`` inside :func:`hybrid_pack.batch_invariant`: its pure-torch backend.
+
+    No kernel's self-check proves the mode's bitwise property yet (docs/api.md §7d), so kernels do not serve in
+    the mode; the first call of each op on a device where a kernel could run says so once (logged).
+
+    Raises:
+        BackendUnavailableError: a kernel backend is forced (argument, :func:`use_backends`,
+            ``HYBRID_PACK_BACKENDS``), or the pure-torch backend cannot run here.
+    """
+    source = "backend=" if backend is not None else ""
+    if backend is None:
+        backend, source = _forced_for(op)
+    reference = reference_of(op)
+    if backend is not None and backend != reference.name:
+        raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot serve inside "
+                                      f"batch_invariant(): no self-check proves it batch-invariant; force "
+                                      f"{reference.name!r} or leave the backend to the selector")
+    why = reference.reason(device, dtype, requires_grad)
+    if why:
+        raise BackendUnavailableError(f"{op}: inside batch_invariant() only backend {reference.name!r} serves, and "
+                                      f"it cannot run here: {why}")
+    kernels = [b.name for b in backends_of(op) if not b.reference and not b.reason(device, dtype, requires_grad)]
+    if kernels and not _discovering.get():
+        _log_once(op, ", ".join(kernels), "inside batch_invariant() kernels do not serve (no self-check proves "
+                  f"them batch-invariant); {reference.name!r} runs")
+    return reference
 
 
 def resolve_sharded(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
