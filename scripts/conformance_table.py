@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS  # noqa: E402
+from tests.conformance.family_tester import CONFORMANCE_FAMILIES  # noqa: E402
 from tests.conformance.known_both_modes import LISTED_OTHERWISE, reason_for  # noqa: E402
 
 TIER = ("tests/conformance/test_hf_model_tester.py", "tests/conformance/test_packed_rows.py")
@@ -47,7 +47,7 @@ CLASS = re.compile(r"\.TestHF(?P<family>\w+?)(?P<mode>Unpatched|Patched)$")
 PARAMETRIZED = re.compile(r"^(?P<test>test_packed_row_matches_batch_rows|test_family_has_a_tiny_config)"
                           r"\[(?P<key>.+)\]$")
 UNBUILDABLE = "test_family_builds"
-FAMILIES = {"".join(part.title() for part in family.split("_")): family for family in TINY_CONFIGS}
+FAMILIES = {"".join(part.title() for part in family.split("_")): family for family in CONFORMANCE_FAMILIES}
 RANK = {"failed": 3, "passed": 2, "xfailed": 1, "skipped": 0}
 
 
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace, junit: Path) -> float:
 def report(results: dict[tuple[str, str], dict[str, tuple[str, str]]]) -> bool:
     """Print the table and the lists; whether the contract holds and the known list is exact."""
     ok = True
-    families = [family for family in TINY_CONFIGS if any((family, mode) in results for mode in (*MODES, PACKED))]
+    families = [family for family in CONFORMANCE_FAMILIES
+                if any((family, mode) in results for mode in (*MODES, PACKED))]
     print("| family | unpatched: collected / passed / failed / skipped | patched: collected / passed / failed / "
           "skipped | pass unpatched, not patched | packed row |")
     print("|---|---|---|---|---|")

@@ -6,7 +6,9 @@ returns per-token ``log_probs [2B, T - 1]`` (0 where the next label is -100), wh
 :class:`PackedFusedCalls` is a pair of forward hooks on the policy and the reference model: the pre-hook lays
 the real tokens of every row (prompt + chosen, prompt + rejected: the prompt is repeated, as TRL does) end
 to end in one packed row with its boundary keys, and the post-hook puts each per-token field back in TRL's
-padded layout. TRL's own code does the rest (its loss, rewards, margins, metrics), unchanged.
+padded layout. TRL's own code does the rest (its loss, rewards, margins, metrics), unchanged. With
+``batch_invariant=True`` the row is a static row of ``packing_capacity`` tokens and every step runs inside
+:func:`hybrid_pack.batch_invariant` (docs/rl.md, "On-policy numerics").
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.trainer import SettlesBackendsAfterFirstStep
+from hybrid_pack.integrations.transformers.trainer import (
+    BatchInvariantSteps,
+    SettlesBackendsAfterFirstStep,
+    check_batch_invariant,
+)
 from hybrid_pack.integrations.trl_grpo import refuse_untested_trl
-from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS
+from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_PAD_TOKENS
 
 try:
     import accelerate  # noqa: F401  (imported first: trl's lazy imports would wrap a missing one in a RuntimeError)
@@ -41,11 +47,14 @@ class PackedFusedCalls:
     A call ``model(input_ids [N, T], attention_mask [N, T], labels [N, T], fused_lm_head=True, ...)`` runs as
     ``model(input_ids [1, R], labels [1, R], <boundary keys>, fused_lm_head=True, ...)`` over its ``R`` real
     tokens; the output's per-token fields ``[1, R - 1]`` come back as ``[N, T - 1]``, 0 wherever TRL's are 0
-    (the label of a padding token, or of a sequence's first token). Any other call is left alone.
+    (the label of a padding token, or of a sequence's first token). Any other call is left alone. With
+    ``pack_length``, the row is padded to exactly ``pack_length`` tokens (one trailing padding segment, its labels
+    -100); a call with more real tokens raises.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, pack_length: int | None = None) -> None:
         self._keep: torch.Tensor | None = None
+        self.pack_length = pack_length
         self.handles = [model.register_forward_pre_hook(self.before, with_kwargs=True),
                         model.register_forward_hook(self.after, with_kwargs=True, always_call=True)]
 
@@ -57,12 +66,22 @@ class PackedFusedCalls:
         if not (keep[:, 1:] <= keep[:, :-1]).all():
             raise InputError(f"{ATTENTION_MASK}: expected right padding (TRL's DPO collator pads right); a row has a "
                              "real token after padding")
-        boundaries = PackedBoundaries.from_lengths(keep.sum(1).tolist(), device=ids.device)
-        labels = kwargs[LABELS][keep][None].clone()
+        lengths = keep.sum(1).tolist()
+        real = sum(lengths)
+        pad = 0 if self.pack_length is None else self.pack_length - real
+        if pad < 0:
+            raise InputError(f"packing_capacity: the call has {real} real tokens, more than packing_capacity="
+                             f"{self.pack_length} (the static row of batch_invariant); raise it to at least "
+                             "2 * per_device_train_batch_size * max_length")
+        boundaries = PackedBoundaries.from_document_lengths([n for n in lengths if n], num_pad_tokens=pad,
+                                                            device=ids.device)
+        labels = torch.cat([kwargs[LABELS][keep], kwargs[LABELS].new_full((pad,), IGNORE_INDEX)])[None]
         labels[0, boundaries.cu_seqlens[:-1].long()] = IGNORE_INDEX   # a sequence's first token is never a target
         self._keep = keep
         rest = {key: value for key, value in kwargs.items() if key not in (INPUT_IDS, ATTENTION_MASK, LABELS)}
-        return (), {**rest, INPUT_IDS: ids[keep][None], LABELS: labels, **boundaries.hf_kwargs()}
+        row = torch.cat([ids[keep], ids.new_zeros(pad)])[None]
+        return (), {**rest, INPUT_IDS: row, LABELS: labels, **boundaries.hf_kwargs(),
+                    **({NUM_PAD_TOKENS: pad} if pad else {})}
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         keep, self._keep = self._keep, None
@@ -84,7 +103,7 @@ class PackedFusedCalls:
             handle.remove()
 
 
-class PackedDPOTrainer(SettlesBackendsAfterFirstStep, DPOTrainer):
+class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTrainer):
     """``trl.DPOTrainer`` whose policy and reference forwards run on packed rows.
 
     Takes every argument of ``trl.DPOTrainer``. The policy and the reference model are patched
@@ -95,14 +114,34 @@ class PackedDPOTrainer(SettlesBackendsAfterFirstStep, DPOTrainer):
     (``precompute_ref_log_probs=True``) and the reference pass of a PEFT policy without ``ref_model`` (padded,
     still isolated: docs/rl.md). A router's auxiliary loss (``output_router_logits``) is computed over the same real
     tokens: TRL masks the padding out of it, the packed row has none.
+
+    Args:
+        batch_invariant: every call's row a static row of exactly ``packing_capacity`` tokens and every training and
+            evaluation step inside :func:`hybrid_pack.batch_invariant`: a pair's log-probabilities bitwise the same
+            whatever the other pairs of its batch (docs/rl.md, "On-policy numerics"). Refused without
+            ``packing_capacity``, with what the mode does not cover (torch_compile, context parallelism, gradient
+            checkpointing off the CPU) and with a router's auxiliary loss (it would count the row's padding).
+        packing_capacity: the static row's length, with ``batch_invariant`` only.
+        *args, **kwargs: as for ``trl.DPOTrainer``.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batch_invariant: bool = False, packing_capacity: int | None = None,
+                 **kwargs: Any) -> None:
         refuse_untested_trl("PackedDPOTrainer", "DPOTrainer's fused LM head call")
+        if packing_capacity is not None and (isinstance(packing_capacity, bool) or not isinstance(packing_capacity, int)
+                                             or packing_capacity < 2 or not batch_invariant):
+            raise InputError(f"packing_capacity: PackedDPOTrainer packs each call into one row of its real tokens; "
+                             f"packing_capacity (an int >= 2) is that row's fixed length under batch_invariant=True "
+                             f"only; got {packing_capacity!r} with batch_invariant={batch_invariant!r}")
         super().__init__(*args, **kwargs)
+        self.batch_invariant = check_batch_invariant("PackedDPOTrainer", batch_invariant, self.args,
+                                                     capacity=packing_capacity, capacity_name="packing_capacity")
+        if self.batch_invariant and getattr(self, "aux_loss_enabled", False):
+            raise InputError("batch_invariant: not with a router's auxiliary loss (output_router_logits): it would "
+                             "count the padding of the static row; set output_router_logits=False")
         self.packed_calls = []
         for model in (self.model, self.ref_model):
             if model is not None:
                 patch_model(model)
-                self.packed_calls.append(PackedFusedCalls(model))
+                self.packed_calls.append(PackedFusedCalls(model, packing_capacity if self.batch_invariant else None))
 

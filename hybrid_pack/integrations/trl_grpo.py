@@ -14,8 +14,10 @@ micro-batch's real prompt + completion tokens with :func:`~hybrid_pack.packing.p
 float32 log-softmax kernel), and scatters the log-probabilities (and entropies) back into TRL's ``[B, C]`` layout,
 zero where TRL's are zero. Generation, rewards, advantages, the loss and the optimizer step are TRL's, untouched.
 Under ``torch.distributed`` the ranks agree on the row count of each call and pad with padding rows, so every rank
-makes as many forwards (FSDP2 and ZeRO-3 gather parameters per forward). :class:`PackedLogProbs` holds the override;
-TRL's ``RLOOTrainer`` has the same method (:mod:`.trl_rloo`).
+makes as many forwards (FSDP2 and ZeRO-3 gather parameters per forward). With ``batch_invariant=True`` every row is
+padded to exactly ``packing_capacity`` tokens and every step runs inside :func:`hybrid_pack.batch_invariant`, so a
+sequence's log-probabilities are bitwise the same whatever it is packed with (docs/rl.md, "On-policy numerics").
+:class:`PackedLogProbs` holds the override; TRL's ``RLOOTrainer`` has the same method (:mod:`.trl_rloo`).
 
 The overridden method is private, so the TRL releases it was tested against are pinned (:data:`TESTED_TRL`);
 the trainer refuses any other release at construction rather than risk a silent mismatch.
@@ -33,7 +35,12 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import agree_max, distributed
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.trainer import SettlesBackendsAfterFirstStep
+from hybrid_pack.integrations.transformers.trainer import (
+    BatchInvariantSteps,
+    SettlesBackendsAfterFirstStep,
+    check_batch_invariant,
+)
+from hybrid_pack.packing.plan import plan_packs
 from hybrid_pack.packing.rollouts import pack_rollouts
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
@@ -107,6 +114,14 @@ def _check_capacity(packing_capacity: Any) -> int | None:
     return packing_capacity
 
 
+def _check_max_documents(max_documents: Any) -> int | None:
+    if max_documents is not None and (isinstance(max_documents, bool) or not isinstance(max_documents, int)
+                                      or max_documents < 1):
+        raise InputError(f"max_documents: expected an int >= 1 (sequences per packed row) or None (no limit); got "
+                         f"{max_documents!r}")
+    return max_documents
+
+
 def _hf_model(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     """The Hugging Face model whose forward TRL's fused LM head replaced (inside DDP / DeepSpeed and PEFT)."""
     model = accelerator.unwrap_model(model)
@@ -146,12 +161,15 @@ def _agreed_row_count(local: int) -> int:
     return int(agree_max([local])[0]) if distributed() else local
 
 
-def _padding_row(token_id: int) -> dict[str, Any]:
-    """A row ``[1, 2]`` of the padding token, one document whose second token is its only target: it runs every
-    layer (and, under autograd, its backward) like any row and holds no real token."""
-    return {INPUT_IDS: torch.full((1, 2), token_id, dtype=torch.long),
-            LABELS: torch.tensor([[IGNORE_INDEX, token_id]], dtype=torch.long),
-            **PackedBoundaries.from_lengths([2]).hf_kwargs()}
+def _padding_row(token_id: int, length: int = 2) -> dict[str, Any]:
+    """A row ``[1, length]`` of the padding token: one document of 2 tokens whose second token is its only target,
+    then a padding segment (a static row of ``length``). It runs every layer (and, under autograd, its backward)
+    like any row and holds no real token."""
+    labels = torch.full((1, length), IGNORE_INDEX, dtype=torch.long)
+    labels[0, 1] = token_id
+    boundaries = PackedBoundaries.from_document_lengths([2], num_pad_tokens=length - 2)
+    return {INPUT_IDS: torch.full((1, length), token_id, dtype=torch.long), LABELS: labels,
+            **boundaries.hf_kwargs(), **({NUM_PAD_TOKENS: length - 2} if length > 2 else {})}
 
 
 class PackedLogProbs:
@@ -165,15 +183,25 @@ class PackedLogProbs:
     every rank). Parameter gathering per forward (FSDP2, ZeRO-3), DDP's buffer broadcast and the packing guard's
     collectives then pair up across ranks whatever the local token counts; a chunk without a real token runs only
     padding rows, when other ranks run rows.
+
+    With ``batch_invariant=True`` (a ``packing_capacity`` needed) every row, padding rows included, is a static row
+    of exactly ``packing_capacity`` tokens (one trailing padding segment) of at most ``max_documents`` sequences,
+    and every training step and every log-probability forward run inside :func:`hybrid_pack.batch_invariant`: a
+    sequence's log-probabilities and entropies are bitwise equal to its own alone in such a row, whatever the
+    packing.
     """
 
     trl_trainer: type
     """The TRL trainer class whose method is overridden (checked against :data:`TESTED_TRL` at construction)."""
 
-    def __init__(self, *args: Any, packing_capacity: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, packing_capacity: int | None = None, batch_invariant: bool = False,
+                 max_documents: int | None = None, **kwargs: Any) -> None:
         _check_trl_version(type(self).__name__, self.trl_trainer)
         self.packing_capacity = _check_capacity(packing_capacity)
+        self.max_documents = _check_max_documents(max_documents)
         super().__init__(*args, **kwargs)
+        self.batch_invariant = check_batch_invariant(type(self).__name__, batch_invariant, self.args,
+                                                     capacity=self.packing_capacity, capacity_name="packing_capacity")
         patch_model(self.model)
         if self.ref_model is not None:
             patch_model(self.accelerator.unwrap_model(self.ref_model))
@@ -263,8 +291,7 @@ class PackedLogProbs:
         counts = torch.tensor(scored_counts, dtype=torch.long)
         column_offsets = torch.cumsum(torch.cat([counts.new_zeros(1), counts[:-1]]), 0)
         flat_columns = torch.cat(columns).long()
-        for batch in pack_rollouts(prompts, responses, capacity):
-            sample = batch[SAMPLE_INDEX][0]
+        for batch, sample in self._packs(prompts, responses, lengths, capacity):
             local = sample.clamp(min=0)
             positions = batch[POSITION_IDS][0].long()
             # Score exactly the real completion tokens (never a document's first token: no cross-document
@@ -280,6 +307,23 @@ class PackedLogProbs:
                                LABELS: torch.where(scored, batch[INPUT_IDS][0], IGNORE_INDEX).unsqueeze(0)})
         return chunk
 
+    def _packs(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], lengths: list[int], capacity: int,
+               ) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        """The chunk's packed rows, each with the chunk's index of the sequence of every token ``[T]`` (-1:
+        padding). With ``max_documents`` or ``batch_invariant``: rows planned with both limits, a static row of
+        ``capacity`` tokens each in the mode."""
+        if self.max_documents is None and not self.batch_invariant:
+            return [(batch, batch[SAMPLE_INDEX][0]) for batch in pack_rollouts(prompts, responses, capacity)]
+        plan = plan_packs(lengths, capacity, max_documents=self.max_documents)
+        rows = []
+        for first, last in zip(plan.pack_offsets[:-1].tolist(), plan.pack_offsets[1:].tolist(), strict=True):
+            members = torch.as_tensor(plan.example_index[first:last], dtype=torch.long)
+            (batch,) = pack_rollouts([prompts[i] for i in members.tolist()], [responses[i] for i in members.tolist()],
+                                     capacity, pad_to_multiple_of=capacity if self.batch_invariant else None)
+            local = batch[SAMPLE_INDEX][0]
+            rows.append((batch, torch.where(local >= 0, members[local.clamp(min=0)], -1)))
+        return rows
+
     def _score_chunk(self, model: torch.nn.Module, chunk: _PackedChunk, device: torch.device, logits_to_keep: int,
                      compute_entropy: bool, compute_aux_loss: bool,
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -294,6 +338,9 @@ class PackedLogProbs:
         try:
             for row, read in zip(chunk.rows, chunk.reads, strict=True):
                 outputs = self._fused_forward(model, row, device, output_router_logits=compute_aux_loss)
+                if compute_aux_loss and row.get(NUM_PAD_TOKENS):   # a static row: its padding is not TRL's batch
+                    real = row[INPUT_IDS].shape[1] - row[NUM_PAD_TOKENS]
+                    router_logits[-1] = tuple(layer[:real] for layer in router_logits[-1])
                 read = read.to(device)
                 logps.append(outputs.log_probs[0, read])
                 if compute_entropy:
@@ -314,11 +361,12 @@ class PackedLogProbs:
 
     def _fused_forward(self, model: torch.nn.Module, row: dict[str, Any], device: torch.device, *,
                        output_router_logits: bool = False) -> Any:
-        """``model(**row, fused_lm_head=True)`` under the accelerator's autocast, ``row`` moved to ``device``."""
+        """``model(**row, fused_lm_head=True)`` under the accelerator's autocast (and inside
+        :func:`hybrid_pack.batch_invariant` in the mode), ``row`` moved to ``device``."""
         inputs = {key: (value.to(device) if isinstance(value, torch.Tensor) else value) for key, value in row.items()}
         if output_router_logits:
             inputs["output_router_logits"] = True
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), self._mode():
             return model(**inputs, fused_lm_head=True)
 
     def _run_padding_rows(self, model: torch.nn.Module, count: int, device: torch.device) -> torch.Tensor:
@@ -326,7 +374,8 @@ class PackedLogProbs:
         no value, and under autograd each padding row's backward runs with the real rows')."""
         tie = torch.zeros((), device=device)
         for _ in range(count):
-            tie = tie + self._fused_forward(model, _padding_row(self.padding_token_id), device).log_probs.sum() * 0
+            row = _padding_row(self.padding_token_id, self.packing_capacity if self.batch_invariant else 2)
+            tie = tie + self._fused_forward(model, row, device).log_probs.sum() * 0
         return tie
 
     @staticmethod
@@ -343,7 +392,7 @@ class PackedLogProbs:
         return zeros, zeros.clone() if compute_entropy else None, aux
 
 
-class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, GRPOTrainer):
+class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInvariantSteps, GRPOTrainer):
     """``trl.GRPOTrainer`` computing every per-token log-probability on packed rows.
 
     Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if
@@ -362,10 +411,15 @@ class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, GRPOTrain
             token budget, not by count: every sequence TRL scores in one call (all the generations for the old
             policy's and the reference's log-probabilities) is packed best-fit-decreasing into as many rows of
             at most ``packing_capacity`` tokens as it needs; a sequence longer than the capacity raises.
+        batch_invariant: every row a static row of exactly ``packing_capacity`` tokens, every training step and
+            log-probability forward inside :func:`hybrid_pack.batch_invariant` (:class:`PackedLogProbs`).
+        max_documents: at most this many sequences per packed row (None: no limit).
         *args, **kwargs: as for ``trl.GRPOTrainer``.
 
     Raises:
-        InputError: a TRL release other than :data:`TESTED_TRL`, a bad ``packing_capacity``; during training,
+        InputError: a TRL release other than :data:`TESTED_TRL`, a bad ``packing_capacity`` or ``max_documents``,
+            ``batch_invariant`` without ``packing_capacity`` or with what the mode does not cover (torch_compile,
+            context parallelism, gradient checkpointing off the CPU); during training,
             multimodal inputs (images, token type ids: text-only for now) or a sequence longer than
             ``packing_capacity``.
     """

@@ -11,7 +11,7 @@ TRL 1.16's ``RLOOTrainer`` scores completions with the same ``_get_per_token_log
 from __future__ import annotations
 
 from hybrid_pack.errors import MissingExtraError
-from hybrid_pack.integrations.transformers.trainer import SettlesBackendsAfterFirstStep
+from hybrid_pack.integrations.transformers.trainer import BatchInvariantSteps, SettlesBackendsAfterFirstStep
 from hybrid_pack.integrations.trl_grpo import PackedLogProbs
 
 try:
@@ -23,17 +23,19 @@ except ImportError as err:
 __all__ = ["PackedRLOOTrainer"]
 
 
-class PackedRLOOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, RLOOTrainer):
+class PackedRLOOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInvariantSteps, RLOOTrainer):
     """``trl.RLOOTrainer`` computing every per-token log-probability on packed rows.
 
-    Takes every argument of ``RLOOTrainer`` (and its ``RLOOConfig``), plus ``packing_capacity`` as for
+    Takes every argument of ``RLOOTrainer`` (and its ``RLOOConfig``), plus ``packing_capacity``, ``batch_invariant``
+    and ``max_documents`` as for
     :class:`~hybrid_pack.integrations.trl.PackedGRPOTrainer`, which it equals in everything but TRL's trainer:
     the old policy's, the reference model's and the policy's log-probabilities on packed rows, results in TRL's
     ``[B, C]`` layout, as many forwards on every rank.
 
     Raises:
         InputError: a TRL release other than :data:`~hybrid_pack.integrations.trl.TESTED_TRL`, a bad
-            ``packing_capacity``; during training, multimodal inputs or a sequence longer than ``packing_capacity``.
+            ``packing_capacity`` or ``max_documents``, ``batch_invariant`` without ``packing_capacity`` or with what
+            the mode does not cover; during training, multimodal inputs or a sequence longer than ``packing_capacity``.
     """
 
     trl_trainer = RLOOTrainer

@@ -63,7 +63,16 @@ def batch_invariant() -> Iterator[None]:
 
 
 def is_batch_invariant() -> bool:
-    """Whether this thread (or task) is inside :func:`batch_invariant`."""
+    """Whether this thread (or task) is inside :func:`batch_invariant`. Under ``torch.compile`` the value at trace
+    time is baked into the graph (dynamo cannot trace a ``ContextVar``): tracing inside the mode meets its refusal of
+    compiled rows; a graph traced outside the mode keeps the default path when later called inside it."""
+    if torch.compiler.is_compiling():
+        return _traced_flag()
+    return _active.get()
+
+
+@torch.compiler.assume_constant_result
+def _traced_flag() -> bool:
     return _active.get()
 
 

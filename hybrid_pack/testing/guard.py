@@ -39,6 +39,7 @@ from hybrid_pack.errors import InputError, IsolationError, UncheckedError, Unsup
 from hybrid_pack.isolation import relative_error
 from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 from hybrid_pack.ops.dispatch.selector import is_discovering
+from hybrid_pack.ops.invariant import is_batch_invariant
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
@@ -133,6 +134,12 @@ class PackingGuard:
             ZeRO-3), or no group for an unsharded model. Every rank of the group runs the same forwards, whatever
             its row holds (a rank with fewer documents replays one of its own), and a leak found on any rank
             raises (or warns) on every rank, naming the rank that found it.
+        invariance_every: also certify every ``invariance_every``-th packed training call (calls 0, N, 2N, ...):
+            :func:`~hybrid_pack.testing.check_invariance` on the call's documents, in rows of the call's length;
+            each ``(step, report)`` goes to :attr:`invariance`. A call made inside
+            :func:`hybrid_pack.batch_invariant` whose documents are not bitwise invariant is a failure (raised as
+            :class:`~hybrid_pack.errors.IsolationError`, or warned); outside the mode the report only measures.
+            One process only (the certifier's forwards follow the local documents). None: never.
 
     The guard's own calls run in eval mode under ``torch.no_grad()`` and leave the model's modes, the
     CPU and CUDA random states and the gradients as they were. Boundary keys must be passed by keyword
@@ -144,7 +151,8 @@ class PackingGuard:
     """
 
     def __init__(self, model: nn.Module, *, every: int = 100, documents: int = 3, action: str = "raise",
-                 atol: float | None = None, localize: bool = False, seed: int = 0, group: Group | None = None) -> None:
+                 atol: float | None = None, localize: bool = False, seed: int = 0, group: Group | None = None,
+                 invariance_every: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model: expected a torch.nn.Module; got {type(model).__name__}")
         self._wrapped, self._group_given, self._group_found = model, group, False
@@ -158,11 +166,19 @@ class PackingGuard:
                              f"got {documents!r}")
         if action not in ACTIONS:
             raise InputError(f"action: expected one of {ACTIONS}; got {action!r}")
+        if invariance_every is not None and (isinstance(invariance_every, bool) or not isinstance(invariance_every, int)
+                                             or invariance_every < 1):
+            raise InputError(f"invariance_every: expected an int >= 1 (certify every N-th packed call) or None; got "
+                             f"{invariance_every!r}")
         if atol is not None and not atol > 0:
             raise InputError(f"atol: expected a positive float or None (the dtype's tolerance); got {atol!r}")
         self.model = model
         self.every, self.documents, self.action, self.atol, self.localize = every, documents, action, atol, localize
         self.records: list[GuardRecord] = []
+        self.invariance_every = invariance_every
+        self.invariance: list[tuple[int | None, Any]] = []
+        """``(step, InvarianceReport)`` for every certified call (``invariance_every``)."""
+        self._certify_due: int | None = None
         self.step: int | None = None
         """The training step the next calls belong to; trainers set it. None: records name the call index."""
         self.calls = 0
@@ -224,11 +240,20 @@ class PackingGuard:
             self._count_unpacked(args, kwargs)
             return
         self._due = self.calls if self.calls % self.every == 0 else None
+        self._certify_due = (self.calls if self.invariance_every is not None
+                             and self.calls % self.invariance_every == 0 else None)
         self._capture = self._due is not None
         self._hidden = None
         self.calls += 1
 
     def _after_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        certify, self._certify_due = self._certify_due, None
+        self._check_call(module, args, kwargs, output)
+        if certify is not None:
+            self._certify({**_positional(module, args), **kwargs},
+                          step=self.step if self.step is not None else certify)
+
+    def _check_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         call, self._due = self._due, None
         if call is None:
             return
@@ -342,6 +367,32 @@ class PackingGuard:
             self._report(record, leak)
         return record
 
+    def _certify(self, batch: dict[str, Any], *, step: int | None) -> Any:
+        """:func:`~hybrid_pack.testing.check_invariance` on the documents of one packed call (``invariance_every``)."""
+        from hybrid_pack.testing.invariance import check_invariance
+
+        if self.group is not None:
+            raise InputError("invariance_every: certifies on one process only (its forwards follow the rank's own "
+                             "documents and would not pair up across ranks); leave it None under torch.distributed")
+        boundaries = _boundaries(batch)
+        ids = batch[INPUT_IDS][0]
+        sequences = [ids[start:start + length] for start, length in zip(boundaries.starts, boundaries.lengths,
+                                                                          strict=False)]
+        required = is_batch_invariant()
+        with self._own_calls():
+            report = check_invariance(self.model, sequences, row_length=boundaries.total_tokens, packings=2,
+                                      seed=len(self.invariance))
+        self.invariance.append((step, report))
+        logger.info("PackingGuard: step %s: %s", step, report)
+        if required and not report.ok:
+            message = (f"PackingGuard: step {step}: inside batch_invariant(), the call's documents are not bitwise "
+                       f"invariant to their packing: {report}")
+            if self.action == "warn":
+                warnings.warn(message, IsolationWarning, stacklevel=2)
+            else:
+                raise IsolationError(message, report)
+        return report
+
     @property
     def group(self) -> Group | None:
         """The process group checking together (docs/api.md §7b), found at the first check; None on one process."""
@@ -421,6 +472,8 @@ class PackingGuard:
     def to_dict(self) -> dict[str, Any]:
         """Settings, totals and every record, for ``metrics.json`` and logs."""
         return {"every": self.every, "documents": self.documents, "action": self.action, "calls": self.calls,
+                "invariance_every": self.invariance_every,
+                "invariance": [{"step": step, **report.to_dict()} for step, report in self.invariance],
                 "checks": len(self.records), "failures": sum(not r.ok for r in self.records),
                 "max_diff": max((r.max_diff for r in self.records), default=None),
                 "seconds": sum(r.seconds for r in self.records), "records": [r.to_dict() for r in self.records]}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
-from hybrid_pack.integrations.transformers.tiny import tiny_config
+from tests.conformance.family_tester import conformance_config
 
 __all__ = ["RELEASE", "LISTED_OTHERWISE", "Expected", "KNOWN", "attention_layers", "expected_failure",
            "expecting_failure", "reason_for", "structural"]
@@ -166,7 +166,7 @@ def attention_layers(config) -> int:
 def structural(family: str) -> dict[str, Expected]:
     """The both-mode failures that follow from ``family``'s tiny config: more than 2 layers (the mixin's guard on
     test cost), and attention maps from some layers only (the mixin expects one per layer)."""
-    config = tiny_config(family)
+    config = conformance_config(family).get_text_config()
     layers, maps = config.num_hidden_layers, attention_layers(config)
     expected = {}
     if layers > 2:

@@ -15,6 +15,9 @@ ROOT = Path(__file__).parents[2]
     ("transformers", "from hybrid_pack.integrations.transformers.tiny import tiny_model; tiny_model('bamba')", "hf"),
     ("trl", "from hybrid_pack.integrations.trl import PackedSFTTrainer", "trl"),
     ("trl", "from hybrid_pack.integrations.trl_grpo import PackedGRPOTrainer", "trl"),
+    ("trl", "from hybrid_pack.integrations.trl_rloo import PackedRLOOTrainer", "trl"),
+    ("trl", "from hybrid_pack.integrations.trl_vlm import VisionLanguagePackingCollator", "trl"),
+    ("transformers", "from hybrid_pack.integrations.transformers.tiny_processor import tiny_vlm_processor", "hf"),
     ("datasets", "from hybrid_pack.packing.hf_datasets import tokenize_and_plan; tokenize_and_plan(None, None, 8)",
      "hf"),
 ])

@@ -37,7 +37,8 @@ class PackingGuardCallback(TrainerCallback):
     """Attach a :class:`~hybrid_pack.testing.PackingGuard` to the trained model for the length of ``train()``.
 
     Args:
-        every, documents, action, atol, localize, seed, group: as for :class:`~hybrid_pack.testing.PackingGuard`;
+        every, documents, action, atol, localize, seed, group, invariance_every: as for
+            :class:`~hybrid_pack.testing.PackingGuard`;
             ``group=None`` in a run of several processes is the world (a ``Trainer`` runs its step on every
             process), so a leak found on one rank stops every rank (docs/api.md §7b).
 
@@ -46,9 +47,9 @@ class PackingGuardCallback(TrainerCallback):
     """
 
     def __init__(self, *, every: int = 100, documents: int = 3, action: str = "raise", atol: float | None = None,
-                 localize: bool = False, seed: int = 0, group: Any = None) -> None:
+                 localize: bool = False, seed: int = 0, group: Any = None, invariance_every: int | None = None) -> None:
         self.settings = {"every": every, "documents": documents, "action": action, "atol": atol,
-                         "localize": localize, "seed": seed}
+                         "localize": localize, "seed": seed, "invariance_every": invariance_every}
         self.group = group
         PackingGuard(nn.Module(), **self.settings)  # bad settings fail here, not when training starts
         self.guard: PackingGuard | None = None

@@ -10,11 +10,14 @@ tokens of every rank since the previous log over the time since it (``Trainer``'
 ``train_samples_per_second`` counts packed rows, not tokens), and ``real_tokens_seen``; the final metrics
 carry ``train_tokens_per_second``.
 Under ``TrainingArguments(torch_compile=True)`` the rows are static batches (docs/compile.md) and the
-model builds its boundaries itself, so one graph serves every row.
+model builds its boundaries itself, so one graph serves every row. With ``batch_invariant=True`` the rows are
+static batches of ``capacity`` tokens and every step runs inside :func:`hybrid_pack.batch_invariant` (docs/rl.md,
+"On-policy numerics").
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +32,7 @@ from hybrid_pack.collate import PackingCollator
 from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import InputError, MissingExtraError, UnsupportedModelError
 from hybrid_pack.integrations.transformers.mrope import MRopePositions, mrope_position_ids
+from hybrid_pack.ops.invariant import batch_invariant as invariant_mode
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, IMAGE_GRID_THW, POSITION_IDS, VIDEO_GRID_THW
 
@@ -39,7 +43,7 @@ except ImportError as err:
     raise MissingExtraError("PackedTrainer", "hf", err) from err
 
 __all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch", "SettlesBackendsAfterFirstStep",
-           "model_position_ids_fn"]
+           "BatchInvariantSteps", "check_batch_invariant", "model_position_ids_fn"]
 
 
 def model_position_ids_fn(model: Any) -> MRopePositions | None:
@@ -158,7 +162,52 @@ class SettlesBackendsAfterFirstStep:
         return loss
 
 
-class PackedTrainer(PackedBatches, Trainer):
+def check_batch_invariant(trainer: str, batch_invariant: Any, args: Any, *, capacity: int | None,
+                          capacity_name: str) -> bool:
+    """``batch_invariant`` as a bool, refusing what the mode cannot honour (:class:`InputError` naming the option):
+    no fixed row length (``capacity`` None), ``torch_compile`` (compiled static rows), a context-parallel
+    ``parallelism_config``, and gradient checkpointing off the CPU (the recomputation in the backward would run on
+    the autograd engine's device thread, outside the mode, a context variable of the training thread)."""
+    if not isinstance(batch_invariant, bool):
+        raise InputError(f"batch_invariant: expected True or False; got {batch_invariant!r}")
+    if not batch_invariant:
+        return False
+    if capacity is None:
+        raise InputError(f"batch_invariant: {trainer} needs a fixed row length to be batch-invariant; set "
+                         f"{capacity_name} (every packed row is then padded to exactly that many tokens)")
+    if args.torch_compile:
+        raise InputError("batch_invariant: not with torch_compile=True (the mode runs eager rows; compiled static rows "
+                         "are not covered): drop one of them")
+    if (getattr(getattr(args, "parallelism_config", None), "cp_size", 1) or 1) > 1:
+        raise InputError("batch_invariant: not with context parallelism (parallelism_config.cp_size > 1): a row "
+                         "split across ranks is not covered by the mode")
+    if args.gradient_checkpointing and args.device.type != "cpu":
+        raise InputError(f"batch_invariant: not with gradient_checkpointing=True on {args.device.type}: the "
+                         "recomputed forward runs in the autograd engine's device thread, outside the mode; set "
+                         "gradient_checkpointing=False")
+    return True
+
+
+class BatchInvariantSteps:
+    """With ``batch_invariant`` set, every training step (forward, backward and, on the CPU, the recomputation of
+    checkpointed activations) and every evaluation step run inside :func:`hybrid_pack.batch_invariant`. Mixed in
+    before the trainer class."""
+
+    batch_invariant = False
+
+    def _mode(self) -> contextlib.AbstractContextManager[None]:
+        return invariant_mode() if self.batch_invariant else contextlib.nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._mode():
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._mode():
+            return super().prediction_step(*args, **kwargs)  # type: ignore[misc]
+
+
+class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
     """A ``Trainer`` whose training batches are packed rows of up to ``capacity`` tokens.
 
     Args:
@@ -169,12 +218,19 @@ class PackedTrainer(PackedBatches, Trainer):
             fullest pack (one compiled graph for every row). For an M-RoPE model (vision-language Qwen3.5) the
             default takes ``position_ids_fn=mrope_position_ids(model)``; a given collator needs it once a row
             has images (refused otherwise).
+        batch_invariant: every row static, ``PackingCollator(pack_length=capacity, max_documents=...)``, and every
+            training and evaluation step inside :func:`hybrid_pack.batch_invariant`: each document's outputs
+            bitwise the same whatever it is packed with (docs/rl.md, "On-policy numerics"). Refused with
+            ``torch_compile``, context parallelism, gradient checkpointing off the CPU, or a given collator
+            whose ``pack_length`` is not ``capacity``.
         *args, **kwargs: as for ``transformers.Trainer``.
     """
 
     def __init__(self, *args: Any, lengths: Sequence[int] | np.ndarray, capacity: int,
-                 collator: PackingCollator | None = None, **kwargs: Any) -> None:
+                 collator: PackingCollator | None = None, batch_invariant: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.batch_invariant = check_batch_invariant("PackedTrainer", batch_invariant, self.args, capacity=capacity,
+                                                     capacity_name="capacity")
         if self.args.fsdp and not self.is_fsdp_enabled:
             raise InputError(
                 f"fsdp: asked for, but accelerate did not shard the model (distributed type "
@@ -183,7 +239,11 @@ class PackedTrainer(PackedBatches, Trainer):
                 "GPUs (docs/distributed.md, 'Sharded training')")
         sampler = PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
                                      seed=self.args.seed)
-        if collator is None and self.args.torch_compile:
+        if self.batch_invariant and collator is not None and collator.pack_length != capacity:
+            raise InputError(f"batch_invariant: the collator's rows must all be {capacity} tokens (capacity); got "
+                             f"pack_length={collator.pack_length}: pass PackingCollator(pack_length={capacity}, "
+                             "max_documents=...) or no collator")
+        if collator is None and (self.args.torch_compile or self.batch_invariant):
             collator = PackingCollator(pack_length=capacity, max_documents=int(sampler.plan.pack_num_documents.max()),
                                        position_ids_fn=model_position_ids_fn(self.model))
         if collator is not None and collator.return_tensors != "pt":
