@@ -3,6 +3,7 @@ same whatever it is packed with, wherever it sits, and alone in a row of the sam
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -110,12 +111,29 @@ def _native(name: str) -> torch.nn.Module:
 def _patched(family: str) -> torch.nn.Module:
     from hybrid_pack.integrations.transformers import patch_model
     from hybrid_pack.integrations.transformers.tiny import tiny_model
+    from hybrid_pack.integrations.transformers.trainer import BATCH_INVARIANT_EXPERTS
 
-    return patch_model(tiny_model(family))
+    model = patch_model(tiny_model(family))
+    model.set_experts_implementation(BATCH_INVARIANT_EXPERTS)   # what the trainers' batch_invariant=True sets
+    return model
+
+
+def _served_families() -> list[str]:
+    """Every family with a tiny causal-LM config whose layers all run on routed §4 ops (the mode's reach)."""
+    from hybrid_pack.integrations.transformers.families import family_of
+    from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, tiny_config
+
+    class _Probe(torch.nn.Module):
+        def __init__(self, family: str) -> None:
+            super().__init__()
+            self.config = tiny_config(family)
+
+    return [name for name in sorted(TINY_CONFIGS)
+            if all(kind.context_parallel for kind in family_of(_Probe(name)).kinds)]
 
 
 MODELS = {"qwen3-next-tiny": lambda: _native("qwen3-next-tiny"), "bamba-tiny": lambda: _native("bamba-tiny"),
-          "hf-qwen3_5": lambda: _patched("qwen3_5"), "hf-bamba": lambda: _patched("bamba")}
+          **{f"hf-{family}": functools.partial(_patched, family) for family in _served_families()}}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -155,3 +173,13 @@ def test_check_invariance_refuses_bad_input() -> None:
         check_invariance(model, lengths=[200], row_length=ROW)
     with pytest.raises(InputError, match="packings"):
         check_invariance(model, lengths=[3], packings=0)
+
+
+def test_a_layer_without_a_batch_invariant_form_refuses_the_mode() -> None:
+    """Qwen4-Exp's QSA indexed attention and n-gram embedding do not run on routed ops: inside the mode its packed
+    forward raises, naming the layer, rather than returning log-probs that are not bitwise invariant."""
+    from hybrid_pack.errors import UnsupportedModelError
+
+    model = _patched("qwen4_exp")
+    with hybrid_pack.batch_invariant(), pytest.raises(UnsupportedModelError, match="no batch-invariant form"):
+        check_invariance(model, lengths=LENGTHS, row_length=ROW)

@@ -135,7 +135,8 @@ class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTr
                              f"only; got {packing_capacity!r} with batch_invariant={batch_invariant!r}")
         super().__init__(*args, **kwargs)
         self.batch_invariant = check_batch_invariant("PackedDPOTrainer", batch_invariant, self.args,
-                                                     capacity=packing_capacity, capacity_name="packing_capacity")
+                                                     capacity=packing_capacity, capacity_name="packing_capacity",
+                                                     model=self.model)
         if self.batch_invariant and getattr(self, "aux_loss_enabled", False):
             raise InputError("batch_invariant: not with a router's auxiliary loss (output_router_logits): it would "
                              "count the padding of the static row; set output_router_logits=False")

@@ -201,7 +201,8 @@ class PackedLogProbs:
         self.max_documents = _check_max_documents(max_documents)
         super().__init__(*args, **kwargs)
         self.batch_invariant = check_batch_invariant(type(self).__name__, batch_invariant, self.args,
-                                                     capacity=self.packing_capacity, capacity_name="packing_capacity")
+                                                     capacity=self.packing_capacity, capacity_name="packing_capacity",
+                                                     model=self.model)
         patch_model(self.model)
         if self.ref_model is not None:
             patch_model(self.accelerator.unwrap_model(self.ref_model))

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import UnsupportedModelError
 
-__all__ = ["batch_invariant", "is_batch_invariant", "per_document", "SEQUENCE_MIXING"]
+__all__ = ["batch_invariant", "is_batch_invariant", "refuse_in_batch_invariant_mode", "per_document", "SEQUENCE_MIXING"]
 
 _active: ContextVar[bool] = ContextVar("hybrid_pack_batch_invariant", default=False)
 
@@ -74,6 +75,15 @@ def is_batch_invariant() -> bool:
 @torch.compiler.assume_constant_result
 def _traced_flag() -> bool:
     return _active.get()
+
+
+def refuse_in_batch_invariant_mode(layer: str, kind: str) -> None:
+    """Raise :class:`UnsupportedModelError` inside :func:`batch_invariant` for a layer whose packed forward has no
+    batch-invariant form (it does not run on the routed §4 ops), so a run that asked for bitwise log-probs never
+    gets them silently."""
+    if is_batch_invariant():
+        raise UnsupportedModelError(f"{layer}: {kind} has no batch-invariant form; run this model outside "
+                                    "hybrid_pack.batch_invariant() (batch_invariant=False)")
 
 
 def _canonical_rows(boundaries: PackedBoundaries) -> list[PackedBoundaries]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, UnsupportedModelError
 from hybrid_pack.ops.attention.indexed import document_pools, document_topk, indexed_attention, visible_tail
+from hybrid_pack.ops.invariant import refuse_in_batch_invariant_mode
 
 __all__ = ["dsa_indexer_forward", "indexed_mla_forward"]
 
@@ -92,6 +93,7 @@ def indexed_mla_forward(attention: torch.nn.Module, boundaries: PackedBoundaries
     not read: the boundaries separate the documents. Attention weights are not computed (None).
     """
     layer = type(attention).__name__
+    refuse_in_batch_invariant_mode(layer, "DSA indexed attention")
     _refuse_unserved(boundaries, attention.indexer, layer)
     if cache is not None:
         raise InputError(f"cache: {layer} cannot use a cache on a packed row; packed rows are for training and "

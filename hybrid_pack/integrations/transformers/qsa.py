@@ -24,6 +24,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, UnsupportedModelError
 from hybrid_pack.ops.attention.indexed import document_pools, document_topk, indexed_attention, visible_tail
+from hybrid_pack.ops.invariant import refuse_in_batch_invariant_mode
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["qsa_attention_forward", "qsa_selection"]
@@ -73,6 +74,7 @@ def qsa_attention_forward(attention: torch.nn.Module, boundaries: PackedBoundari
     ``attention_mask`` is not read (the boundaries replace it); a cache is refused.
     """
     layer = type(attention).__name__
+    refuse_in_batch_invariant_mode(layer, "QSA indexed attention")
     if isinstance(boundaries, ShardedBoundaries):
         raise UnsupportedModelError(f"{layer}: Qwen4-Exp's QSA indexed attention selects blocks of whole documents "
                                     "and is not supported under context parallelism; train without a "

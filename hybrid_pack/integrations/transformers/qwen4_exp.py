@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError, UnsupportedModelError
+from hybrid_pack.ops.invariant import refuse_in_batch_invariant_mode
 from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["ngram_embedding_forward", "dilated_causal_conv", "ple_forward", "ple_call"]
@@ -98,6 +99,7 @@ def ple_forward(ple: torch.nn.Module, hidden_states: torch.Tensor, boundaries: P
     ``[1, T, hc * hidden]``, every document on its own. ``conv_mask [1, T]`` (1 keep, 0 padding) zeroes the
     convolution's input where the module zeroes it."""
     _refuse_shards(boundaries, type(ple).__name__)
+    refuse_in_batch_invariant_mode(type(ple).__name__, "the per-layer n-gram embedding")
     embeddings = ngram_embedding_forward(ple.ple_embedding, input_ids, boundaries)
     streams = (ple.hc_count, ple.hidden_size)
     key = ple.norm_key(ple.key_proj(embeddings)).unflatten(-1, streams)
