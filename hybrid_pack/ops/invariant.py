@@ -1,13 +1,15 @@
 """Batch-invariant packing: every document's outputs bitwise independent of its row-mates (docs/api.md §7d).
 
-Inside :func:`batch_invariant`, every sequence-mixing op computes each segment of a row of ``T`` tokens in its
-canonical form: the segment's tokens gathered to the front of a zero-filled row of length ``T``, the op's
-pure-torch backend run on that row (the segment, then one padding segment), and the segment's first ``L``
-outputs scattered back. That call depends only on the segment's own tokens and on ``T``, so its outputs are the
-same bits wherever the segment sits and whatever it is packed with, and equal to the segment alone in a row of
-length ``T``. Token-wise layers (linears, norms, MLPs, the output head) need nothing: on a row of fixed length,
-the rows of a CPU GEMM do not depend on their neighbours (tests/test_batch_invariant.py checks it). The cost is
-one op call per segment instead of one per row.
+Inside :func:`batch_invariant`, every sequence-mixing op computes each segment of a row in its canonical form: the
+segment's ``L`` tokens gathered to the front of a zero-filled row of :func:`canonical_length` ``(L)`` tokens (``L``
+rounded up to a multiple of :data:`CANONICAL_MULTIPLE`), the op's pure-torch backend run on that row (the segment,
+then one padding segment), and the segment's outputs scattered back. That call's inputs are the segment's own
+tokens and zeros, its shape a function of ``L`` alone, so its outputs are the same bits wherever the segment sits,
+whatever it is packed with and whatever the row's length, and equal to the segment alone. Token-wise layers
+(linears, norms, MLPs, the output head) need nothing on a row of fixed length: the rows of a CPU GEMM do not
+depend on their neighbours (tests/test_batch_invariant.py checks it); MoE experts need transformers'
+``batched_mm`` (the trainers set it). The cost is one op call per segment instead of one per row, each over
+about its own length.
 
 The mode is a context variable: it holds for the thread (or task) that entered it, never for another.
 """
@@ -24,7 +26,8 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import UnsupportedModelError
 
-__all__ = ["batch_invariant", "is_batch_invariant", "refuse_in_batch_invariant_mode", "per_document", "SEQUENCE_MIXING"]
+__all__ = ["batch_invariant", "is_batch_invariant", "refuse_in_batch_invariant_mode", "per_document",
+           "canonical_length", "CANONICAL_MULTIPLE", "SEQUENCE_MIXING"]
 
 _active: ContextVar[bool] = ContextVar("hybrid_pack_batch_invariant", default=False)
 
@@ -86,12 +89,22 @@ def refuse_in_batch_invariant_mode(layer: str, kind: str) -> None:
                                     "hybrid_pack.batch_invariant() (batch_invariant=False)")
 
 
+CANONICAL_MULTIPLE = 64
+"""A segment's canonical row is its length rounded up to a multiple of this (every chunked op's grid then starts at
+the segment's first token, and the row's shape depends on the segment alone)."""
+
+
+def canonical_length(length: int) -> int:
+    """The length of the canonical row of a segment of ``length`` tokens."""
+    return -(-length // CANONICAL_MULTIPLE) * CANONICAL_MULTIPLE
+
+
 def _canonical_rows(boundaries: PackedBoundaries) -> list[PackedBoundaries]:
-    """For every segment of the row, the boundaries of its canonical row: the segment, then padding to ``T``."""
-    total = boundaries.total_tokens
+    """For every segment of the row, the boundaries of its canonical row: the segment, then padding up to
+    :func:`canonical_length`."""
 
     def build() -> list[PackedBoundaries]:
-        return [PackedBoundaries.from_document_lengths([length], num_pad_tokens=total - length,
+        return [PackedBoundaries.from_document_lengths([length], num_pad_tokens=canonical_length(length) - length,
                                                        device=boundaries.device)
                 for length in boundaries.segment_lengths]
 
@@ -99,9 +112,9 @@ def _canonical_rows(boundaries: PackedBoundaries) -> list[PackedBoundaries]:
 
 
 def _to_front(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """``x [1, T, ...]``: tokens ``start:start + length`` first, zeros after (the same ``[1, T, ...]`` shape)."""
+    """``x [1, T, ...]``: tokens ``start:start + length``, then zeros up to :func:`canonical_length`."""
     piece = x[:, start:start + length]
-    return torch.cat([piece, piece.new_zeros(1, x.shape[1] - length, *x.shape[2:])], dim=1)
+    return torch.cat([piece, piece.new_zeros(1, canonical_length(length) - length, *x.shape[2:])], dim=1)
 
 
 def per_document(op: str, fn: Callable[..., Any], positional: tuple[str, ...], arguments: Mapping[str, Any],
