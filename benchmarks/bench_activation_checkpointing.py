@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_context_parallel import mixed
 from hybrid_pack import PackingCollator
+from hybrid_pack.boundaries.sharded import LAYOUTS as CP_LAYOUTS
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel import apply_activation_checkpointing, shard_batch
-from hybrid_pack.parallel.boundaries import LAYOUTS as CP_LAYOUTS
 from hybrid_pack.parallel.fsdp import decoder_blocks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "activation_checkpointing.json"

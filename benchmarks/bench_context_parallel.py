@@ -43,11 +43,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_pack import PackedBoundaries, PackingCollator
+from hybrid_pack.boundaries.sharded import LAYOUTS as CP_LAYOUTS
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.ops import causal_conv1d, varlen_attention
+from hybrid_pack.ops.cp.exchange import halo_plan
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
-from hybrid_pack.parallel.boundaries import LAYOUTS as CP_LAYOUTS
-from hybrid_pack.parallel.exchange import halo_plan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "context_parallel.json"
 MIXED = (700, 1500, 333, 2048, 129)

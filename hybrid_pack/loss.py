@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import IGNORE_INDEX
 
 __all__ = ["packed_loss", "shift_labels", "token_logprobs"]

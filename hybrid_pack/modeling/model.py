@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.boundaries.targets import shift_labels as shifted_targets
 from hybrid_pack.errors import BoundaryError, InputError
@@ -33,7 +34,6 @@ from hybrid_pack.modeling.norm import GatedRMSNorm, RMSNorm
 from hybrid_pack.modeling.rope import RotaryEmbedding
 from hybrid_pack.ops.linear_cross_entropy import linear_cross_entropy
 from hybrid_pack.ops.validate import local_boundaries
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 
 __all__ = ["FLA_CP", "fla_cp_device_reason", "fla_cp_group_reason", "fla_cp_reason", "fla_cp_context"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 AnyBoundaries = PackedBoundaries | StaticBoundaries | ShardedBoundaries
 """What the public ops take: a whole row (eager or compiled), or one rank's slice of a row (docs/api.md §10)."""

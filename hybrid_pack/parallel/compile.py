@@ -8,29 +8,23 @@ The graphs compiled for the first batch serve every layout because of what reach
   boundary keys into ``boundaries=StaticBoundaries`` (their tensors, nothing read from them), the form a whole
   compiled model builds inside its graph;
 - a context-parallel shard (``boundaries=ShardedBoundaries``, host values that change with every layout): every
-  public op called on it inside a graph runs eagerly (:func:`eager_on_shards`: a graph break at the op), so the
+  public op called on it inside a graph runs eagerly (:func:`~hybrid_pack.ops.cp.eager.eager_on_shards`: a graph
+  break at the op), so the
   graphs hold the blocks' dense work, never a value of the shard's boundaries, and dynamo guards none of them.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from hybrid_pack.boundaries.static import StaticBoundaries
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.parallel.fsdp import decoder_blocks
 from hybrid_pack.schema import BOUNDARIES, BOUNDARY_KEYS, PRIMARY_BOUNDARY_KEYS
 
-__all__ = ["compile_blocks", "eager_on_shards", "static_boundaries_from_keys"]
-
-Op = TypeVar("Op", bound=Callable[..., Any])
-
+__all__ = ["compile_blocks", "static_boundaries_from_keys"]
 
 def compile_blocks(model: nn.Module, *, backend: str | Callable[..., Any] = "inductor") -> nn.Module:
     """Compile every decoder block of ``model`` in place and return ``model`` (the root stays eager).
@@ -66,39 +60,3 @@ def static_boundaries_from_keys(module: nn.Module, args: tuple[Any, ...], kwargs
     boundaries = StaticBoundaries.from_batch(kwargs)
     kept = {key: value for key, value in kwargs.items() if key not in BOUNDARY_KEYS}
     return args, {**kept, BOUNDARIES: boundaries}
-
-
-def eager_on_shards(op: Op) -> Op:
-    """``op`` (a public op taking ``boundaries``), run eagerly when a compiled graph calls it on a
-    :class:`~hybrid_pack.parallel.ShardedBoundaries`: its exchanges and its host-side layout stay out of the graph,
-    and the graph around the call guards only the type of the boundaries (docs/compile.md). Anywhere else the
-    call is ``op`` itself.
-
-    The eager call's output tensors get row-major strides: a context-parallel path may return a slice of a longer
-    tensor (the halo cut off), whose strides, which the graph after the call guards, would change with the layout.
-    """
-    @torch.compiler.disable(recursive=True)
-    def eager(*args: Any, **kwargs: Any) -> Any:
-        return tree_map(_row_major, op(*args, **kwargs))
-
-    @functools.wraps(op)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and any(isinstance(value, ShardedBoundaries)
-                                                 for value in (*args, *kwargs.values())):
-            return eager(*args, **kwargs)
-        return op(*args, **kwargs)
-
-    return call  # type: ignore[return-value]
-
-
-def _row_major(value: Any) -> Any:
-    """``value``, a tensor copied to row-major strides when it has others (a size-1 dim's stride included)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    expected, stride = [], 1
-    for size in reversed(value.shape):
-        expected.append(stride)
-        stride *= size
-    if tuple(reversed(expected)) == value.stride():
-        return value
-    return value.clone(memory_format=torch.contiguous_format)

@@ -2,7 +2,7 @@
 
 Token order: ``layout="contiguous"``, rank ``r`` of ``R`` holds row tokens ``[r*T/R, (r+1)*T/R)``;
 ``layout="zigzag"``, the row is cut into ``2R`` chunks and rank ``r`` holds chunks ``r`` and ``2R-1-r``, in
-that order (:data:`~hybrid_pack.parallel.boundaries.LAYOUTS`). Every per-token key is sliced; the boundary
+that order (:data:`~hybrid_pack.boundaries.sharded.LAYOUTS`). Every per-token key is sliced; the boundary
 keys that describe the whole row (``cu_seq_lens_*``, ``max_length_*``, ``num_pad_tokens``) are replaced by
 ``boundaries``, a :class:`ShardedBoundaries`.
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import LAYOUTS, ShardedBoundaries
 from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
-from hybrid_pack.parallel.boundaries import LAYOUTS, ShardedBoundaries
 from hybrid_pack.schema import (
     BOUNDARIES,
     BOUNDARY_KEYS,

@@ -34,13 +34,14 @@ from torch import nn
 from typing_extensions import Self
 
 from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError, IsolationError, UncheckedError, UnsupportedModelError
 from hybrid_pack.isolation import relative_error
+from hybrid_pack.isolation.probe import dtype_tolerance, leak_origin, output_logits, record_calls
 from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 from hybrid_pack.ops.dispatch.selector import is_discovering
 from hybrid_pack.ops.invariant import is_batch_invariant
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
@@ -57,7 +58,6 @@ from hybrid_pack.schema import (
     SEQ_IDX,
     USE_CACHE,
 )
-from hybrid_pack.testing.isolation import _logits, _origin, _record_calls, dtype_tolerance
 from hybrid_pack.testing.ranks import model_group
 
 __all__ = ["ACTIONS", "GuardRecord", "IsolationWarning", "PackingGuard"]
@@ -424,11 +424,11 @@ class PackingGuard:
                               with_labels: bool) -> str | None:
         """The harness's localisation: record every submodule in the packed run and the document's run alone."""
         start, length = boundaries.starts[doc], boundaries.lengths[doc]
-        with _record_calls(self.model, boundaries.total_tokens) as packed_calls:
+        with record_calls(self.model, boundaries.total_tokens) as packed_calls:
             self.model(**batch)
-        with _record_calls(self.model, length) as alone_calls:
+        with record_calls(self.model, length) as alone_calls:
             self.model(**_document_batch(batch, boundaries, start, length, with_labels=with_labels))
-        return _origin(packed_calls, alone_calls, lambda t: t[0, start:start + length], lambda t: t[0], atol)
+        return leak_origin(packed_calls, alone_calls, lambda t: t[0, start:start + length], lambda t: t[0], atol)
 
     def _report(self, record: GuardRecord, leak: _Leak) -> None:
         where = f"step {record.step}" + (f" (packed call {record.call})" if record.call is not None else "")
@@ -605,7 +605,7 @@ def _output_logits(output: Any) -> torch.Tensor | None:
     if isinstance(output, Mapping):
         logits = output.get(LOGITS)
     elif isinstance(output, (torch.Tensor, tuple, list)):
-        logits = _logits(output)
+        logits = output_logits(output)
     else:
         logits = getattr(output, LOGITS, None)
     return logits if isinstance(logits, torch.Tensor) else None

@@ -115,13 +115,13 @@ def _first_fit(order: list[int], lengths: list[int], row_length: int) -> list[li
 def _logprobs_of_rows(model: torch.nn.Module, sequences: list[torch.Tensor], rows: list[list[int]],
                       collator: Any) -> dict[int, torch.Tensor]:
     """Each sequence's float32 log-prob rows ``[L, V]`` from the packed rows ``rows``."""
-    from hybrid_pack.testing.isolation import _logits
+    from hybrid_pack.isolation.probe import output_logits
 
     out = {}
     for row in rows:
         batch = collator([{INPUT_IDS: sequences[i].tolist()} for i in row])
         batch.pop("labels", None)
-        logits = _logits(model(**batch))[0]
+        logits = output_logits(model(**batch))[0]
         start = 0
         for i in row:
             length = sequences[i].numel()

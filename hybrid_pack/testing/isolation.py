@@ -24,10 +24,8 @@ another (forward leaks), or whose backward sends gradient across documents (back
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +39,17 @@ from hybrid_pack.isolation import (
     leaked_gradient,
     model_geometry,
     relative_error,
-    tolerance_for,
+)
+from hybrid_pack.isolation.probe import (
+    Call,
+    dtype_tolerance,
+    first_backward_leak,
+    leak_origin,
+    output_head_skipped,
+    output_logits,
+    record_calls,
+    recorded_calls,
+    run_row,
 )
 from hybrid_pack.multimodal import PositionIdsFn
 from hybrid_pack.testing.multimodal import (
@@ -58,28 +66,6 @@ from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutRe
 __all__ = ["check_isolation", "assert_isolated", "IsolationError"]
 
 
-def dtype_tolerance(model: torch.nn.Module, output_dtype: torch.dtype, device: torch.device) -> float:
-    """The tolerance (:data:`hybrid_pack.isolation.TOLERANCE`) of the least precise dtype among the parameters',
-    the output's and autocast's."""
-    dtypes = {output_dtype}
-    param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    if param is not None:
-        dtypes.add(param.dtype)
-    if torch.is_autocast_enabled(device.type):
-        dtypes.add(torch.get_autocast_dtype(device.type))
-    return tolerance_for(dtypes)
-
-
-def _logits(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if getattr(output, "logits", None) is not None:
-        return output.logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise InputError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
-
-
 def _run_batch(model: torch.nn.Module, batch: Mapping[str, Any], embeds_leaf: list[torch.Tensor] | None = None,
                ) -> torch.Tensor:
     """Outputs ``[T, D]`` (float) of one packed row given as a whole batch (a vision-language row: pixels, grids,
@@ -93,7 +79,7 @@ def _run_batch(model: torch.nn.Module, batch: Mapping[str, Any], embeds_leaf: li
 
     handle = None if embeds_leaf is None else model.get_input_embeddings().register_forward_hook(leaf)
     try:
-        return _logits(model(**batch))[0].float()
+        return output_logits(model(**batch))[0].float()
     finally:
         if handle is not None:
             handle.remove()
@@ -108,165 +94,14 @@ def _vision_localisers(model: torch.nn.Module, atol: float) -> dict[str, Any]:
     towers = tuple(f"{name}." for name, module in model.named_modules()
                    if vision is not None and getattr(module, "config", None) is vision)
 
-    def recorded(batch: Mapping[str, Any]) -> list[_Call]:
-        with torch.no_grad(), _record_calls(model, batch["input_ids"].shape[1]) as calls:
+    def recorded(batch: Mapping[str, Any]) -> list[Call]:
+        with torch.no_grad(), record_calls(model, batch["input_ids"].shape[1]) as calls:
             _run_batch(model, batch)
         return [call for call in calls if not (towers and f"{call.name}.".startswith(towers))]
 
-    return {"forward": lambda first, second, pick_first, pick_second: _origin(
+    return {"forward": lambda first, second, pick_first, pick_second: leak_origin(
                 recorded(first), recorded(second), pick_first, pick_second, atol),
-            "backward": lambda loss_fn, others: _first_backward_leak(model, loss_fn, others, others.shape[0])}
-
-
-def _run(model: torch.nn.Module, boundaries: PackedBoundaries, *, ids: torch.Tensor | None = None,
-         embeds: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits ``[T, V]`` of one packed row given as token ids ``[T]`` or embeddings ``[T, E]``."""
-    if embeds is not None:
-        out = model(inputs_embeds=embeds.unsqueeze(0), **boundaries.batch_kwargs())
-    else:
-        out = model(input_ids=ids.unsqueeze(0), **boundaries.batch_kwargs())
-    return _logits(out)[0]
-
-
-@contextlib.contextmanager
-def _output_head_skipped(model: torch.nn.Module) -> Iterator[bool]:
-    """While inside, the output head returns its input: the model's output is its last hidden states.
-
-    Yields whether it did: only for an ``nn.Linear`` head that ``get_output_embeddings()`` names.
-    """
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    if not isinstance(head, torch.nn.Linear):
-        yield False
-        return
-    head.forward = _identity  # an instance attribute shadows the class's forward; hooks still run
-    try:
-        yield True
-    finally:
-        del head.forward
-
-
-def _identity(hidden_states: torch.Tensor) -> torch.Tensor:
-    return hidden_states
-
-
-def _first_tensor(value: Any, t_len: int) -> torch.Tensor | None:
-    """The first tensor of a module's output that is per token, as ``[1, T, ...]``.
-
-    Token-major ``[1, T, ...]`` is taken as is; channels-first ``[1, C, L]`` (``nn.Conv1d``), whose
-    first ``T`` of ``L >= T`` steps are the tokens (a causal conv's output before its tail is cut),
-    is moved to token-major.
-    """
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
-        if not isinstance(item, torch.Tensor) or item.dim() < 2 or item.shape[0] != 1:
-            continue
-        if item.shape[1] == t_len:
-            return item
-        if item.dim() == 3 and t_len <= item.shape[2] < t_len + 16:
-            return item[:, :, :t_len].transpose(1, 2)
-    return None
-
-
-@dataclass
-class _Call:
-    """One submodule call: its per-token inputs and output, as float64 ``[1, T, ...]`` copies."""
-
-    name: str
-    inputs: list[torch.Tensor]
-    output: torch.Tensor
-
-
-def _per_token(values: Any, t_len: int) -> list[torch.Tensor]:
-    found = (_first_tensor(v, t_len) for v in values)
-    return [t.detach().double().clone() for t in found if t is not None]
-
-
-@contextlib.contextmanager
-def _record_calls(model: torch.nn.Module, t_len: int) -> Iterator[list[_Call]]:
-    """Record every submodule call with a per-token output, in completion order (children first)."""
-    calls: list[_Call] = []
-    handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-
-        def hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
-            out = _first_tensor(output, t_len)
-            if out is not None:
-                inputs = _per_token(list(args) + list(kwargs.values()), t_len)
-                calls.append(_Call(name, inputs, out.detach().double().clone()))
-
-        handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    try:
-        yield calls
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _recorded_calls(model: torch.nn.Module, boundaries: PackedBoundaries, ids: torch.Tensor) -> list[_Call]:
-    """Every submodule call of one forward run, for localising a leak (only run once one was found)."""
-    with torch.no_grad(), _record_calls(model, boundaries.total_tokens) as calls:
-        _run(model, boundaries, ids=ids)
-    return calls
-
-
-def _origin(first: list[_Call], second: list[_Call], pick_first: Any, pick_second: Any, atol: float) -> str | None:
-    """The first module whose output differs between two runs while none of its inputs does.
-
-    ``pick_first`` / ``pick_second`` select the compared tokens of a ``[1, T, ...]`` tensor of each run.
-    Differences are judged relative to each tensor's own magnitude (:func:`~hybrid_pack.isolation.relative_error`:
-    activations of small random models are tiny, and a later norm can blow a small leak up). Falls back to the
-    first module whose output differs when every such module had a differing input.
-    """
-
-    def differs(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return not relative_error(pick_first(a), pick_second(b)) <= atol
-
-    def keyed(calls: list[_Call]) -> dict[tuple[str, int], _Call]:
-        seen: dict[str, int] = {}
-        out = {}
-        for call in calls:
-            seen[call.name] = seen.get(call.name, -1) + 1
-            out[(call.name, seen[call.name])] = call
-        return out
-
-    others = keyed(second)
-    dirty = None
-    for key, a in keyed(first).items():
-        b = others.get(key)
-        if b is None or not differs(a.output, b.output):
-            continue
-        dirty = dirty or a.name
-        if len(a.inputs) == len(b.inputs) and not any(differs(x, y) for x, y in zip(a.inputs, b.inputs)):
-            return a.name
-    return dirty
-
-
-def _first_backward_leak(model: torch.nn.Module, loss_fn: Any, others: torch.Tensor, t_len: int) -> str | None:
-    """Innermost module whose gradient output is clean on other documents but whose gradient input is not."""
-    flagged: list[str] = []
-    handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-
-        def hook(mod: torch.nn.Module, grad_in: Any, grad_out: Any, name: str = name) -> None:
-            go, gi = _first_tensor(grad_out, t_len), _first_tensor(grad_in, t_len)
-            if go is not None and gi is not None and go[0, others].abs().max() == 0 and gi[0, others].abs().max() > 0:
-                flagged.append(name)
-
-        handles.append(module.register_full_backward_hook(hook))
-    try:
-        loss_fn().backward()
-    except RuntimeError:
-        return None
-    finally:
-        for h in handles:
-            h.remove()
-        model.zero_grad(set_to_none=True)
-    innermost = [n for n in flagged if not any(o.startswith(n + ".") for o in flagged)]
-    return innermost[-1] if innermost else None
+            "backward": lambda loss_fn, others: first_backward_leak(model, loss_fn, others, others.shape[0])}
 
 
 def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, generator: torch.Generator,
@@ -286,13 +121,13 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
     positions = torch.arange(t_len, device=device)
 
     with torch.no_grad():
-        packed = _run(model, boundaries, ids=ids).float()
+        packed = run_row(model, boundaries, ids=ids).float()
     bar.update()
     with torch.no_grad():
         for doc in result.documents:
             s, e = starts[doc.index], starts[doc.index] + doc.length
             lone = PackedBoundaries.from_lengths([doc.length], device=device)
-            alone = _run(model, lone, ids=ids[s:e]).float()
+            alone = run_row(model, lone, ids=ids[s:e]).float()
             doc.alone_diff = relative_error(packed[s:e], alone)
             bar.update()
     for doc in result.documents:
@@ -302,12 +137,12 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
         shift = torch.randint(1, vocab_size, (e - s,), generator=generator).to(device)
         moved_ids[s:e] = (ids[s:e] + shift) % vocab_size
         with torch.no_grad():
-            moved = _run(model, boundaries, ids=moved_ids).float()
+            moved = run_row(model, boundaries, ids=moved_ids).float()
         doc.perturbation_leak = relative_error(moved[others], packed[others])
         bar.update()
         if doc.perturbation_leak > atol and result.first_leaking_module is None and per_layer:
-            result.first_leaking_module = _origin(_recorded_calls(model, boundaries, ids),
-                                                  _recorded_calls(model, boundaries, moved_ids),
+            result.first_leaking_module = leak_origin(recorded_calls(model, boundaries, ids),
+                                                  recorded_calls(model, boundaries, moved_ids),
                                                   lambda t, m=others: t[0, m], lambda t, m=others: t[0, m], atol)
             result.leak_kind = "forward"
 
@@ -315,8 +150,8 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
     if mismatched and result.first_leaking_module is None and per_layer:
         doc = max(mismatched, key=lambda d: d.length)
         s, e = starts[doc.index], starts[doc.index] + doc.length
-        alone_calls = _recorded_calls(model, PackedBoundaries.from_lengths([doc.length], device=device), ids[s:e])
-        result.first_leaking_module = _origin(_recorded_calls(model, boundaries, ids), alone_calls,
+        alone_calls = recorded_calls(model, PackedBoundaries.from_lengths([doc.length], device=device), ids[s:e])
+        result.first_leaking_module = leak_origin(recorded_calls(model, boundaries, ids), alone_calls,
                                               lambda t: t[0, s:e], lambda t: t[0], atol)
         result.leak_kind = "packed differs from alone"
 
@@ -324,7 +159,7 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
     if grads and embed is not None:
         embeds = embed(ids.unsqueeze(0))[0].detach().to(dtype).requires_grad_(True)
         weights = torch.randn(packed.shape, generator=generator).to(device)
-        logits = _run(model, boundaries, embeds=embeds).float()
+        logits = run_row(model, boundaries, embeds=embeds).float()
         bar.update()
         for doc in result.documents:
             s, e = starts[doc.index], starts[doc.index] + doc.length
@@ -336,9 +171,9 @@ def _check_layout(model: torch.nn.Module, layout: Layout, vocab_size: int, gener
 
                 def loss_of_doc(s: int = s, e: int = e) -> torch.Tensor:
                     x = embeds.detach().requires_grad_(True)
-                    return (_run(model, boundaries, embeds=x).float()[s:e] * weights[s:e]).sum()
+                    return (run_row(model, boundaries, embeds=x).float()[s:e] * weights[s:e]).sum()
 
-                result.first_leaking_module = _first_backward_leak(model, loss_of_doc, others, t_len)
+                result.first_leaking_module = first_backward_leak(model, loss_of_doc, others, t_len)
                 result.leak_kind = "backward"
     result.ok = all(d.alone_diff <= atol and (d.perturbation_leak or 0.0) <= atol
                     and (d.gradient_leak or 0.0) <= grad_atol for d in result.documents)
@@ -444,7 +279,7 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     runs += sum(1 + 2 * len(row) + (1 + len(row) if grads and has_embeddings else 0) for _, row, _ in vision_rows)
     model.eval()
     try:
-        with (_output_head_skipped(model) as skipped, tqdm(total=runs, desc="isolation check", unit="run",
+        with (output_head_skipped(model) as skipped, tqdm(total=runs, desc="isolation check", unit="run",
                                                           disable=None if progress is None else not progress,
                                                           leave=False) as bar):
             report.compared = "hidden states entering the output head" if skipped else "logits"

@@ -34,6 +34,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.distributed import Group, agree_max, gather_rows, share_objects
 from hybrid_pack.errors import InputError
 from hybrid_pack.isolation import leaked_gradient, relative_error
+from hybrid_pack.isolation.probe import dtype_tolerance, first_backward_leak, leak_origin, record_calls
 from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 from hybrid_pack.schema import (
     BOUNDARY_KEYS,
@@ -43,7 +44,6 @@ from hybrid_pack.schema import (
     LABELS,
     NUM_PAD_TOKENS,
 )
-from hybrid_pack.testing.isolation import _first_backward_leak, _origin, _record_calls, dtype_tolerance
 from hybrid_pack.testing.ranks import model_group
 from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
 
@@ -316,11 +316,11 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
         kind = int(agree_max([kind], group)[0])
     if kind == 2:
         doc = max(mismatched or docs, key=lambda d: d.result.length)
-        with torch.no_grad(), _record_calls(probe.model, probe.t_len) as packed_calls:
+        with torch.no_grad(), record_calls(probe.model, probe.t_len) as packed_calls:
             probe.run(doc)
-        with torch.no_grad(), _record_calls(probe.model, doc.result.length) as alone_calls:
+        with torch.no_grad(), record_calls(probe.model, doc.result.length) as alone_calls:
             probe.run_alone(doc)
-        layout.first_leaking_module = _origin(packed_calls, alone_calls, lambda t: t[0, doc.start:doc.stop],
+        layout.first_leaking_module = leak_origin(packed_calls, alone_calls, lambda t: t[0, doc.start:doc.stop],
                                               lambda t: t[0], atol)
         layout.leak_kind = "packed differs from alone"
     elif kind == 1:
@@ -329,7 +329,7 @@ def _localise(probe: _Probe, layout: LayoutResult, docs: list[_Document], atol: 
         with _parameter_grads_kept(probe.model), warnings.catch_warnings():
             # the embedding module's inputs are token ids: its full backward hook only sees its output
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            layout.first_leaking_module = _first_backward_leak(
+            layout.first_leaking_module = first_backward_leak(
                 probe.model, lambda: probe.objective(probe.run(doc, grad=True), doc),
                 probe.others(doc, next(probe.model.parameters()).device), probe.t_len)
         layout.leak_kind = "backward"

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.plan import OVERFLOW_POLICIES
-from hybrid_pack.parallel.boundaries import LAYOUTS
 from hybrid_pack.training.reporting import REPORT_TARGETS, report_targets
 
 DEFAULT_GUARD_EVERY = 100

@@ -20,8 +20,9 @@ from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM
+from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.parallel import ShardedBoundaries
-from hybrid_pack.parallel.compile import compile_blocks, eager_on_shards, static_boundaries_from_keys
+from hybrid_pack.parallel.compile import compile_blocks, static_boundaries_from_keys
 from hybrid_pack.parallel.fsdp import decoder_blocks
 from hybrid_pack.schema import BOUNDARIES, BOUNDARY_KEYS, INPUT_IDS
 from tests.kit import assert_close

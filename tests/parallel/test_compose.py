@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from hybrid_pack import PackedBoundaries
+from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridForCausalLM, from_preset
 from hybrid_pack.packing import PackedBatchSampler
 from hybrid_pack.parallel import apply_activation_checkpointing, parallelize
 from hybrid_pack.parallel.activation_checkpointing import is_checkpointed
-from hybrid_pack.parallel.boundaries import LAYOUTS
 from hybrid_pack.parallel.fsdp import decoder_blocks
 from hybrid_pack.schema import INPUT_IDS
 from hybrid_pack.training import TrainConfig, build_model
@@ -240,7 +240,7 @@ def test_config_composes_fsdp_with_context_parallel_and_activation_checkpointing
         TrainConfig(context_parallel=2, cp_layout="diagonal")
 
 
-@pytest.mark.skipif("zigzag" not in LAYOUTS, reason="the zigzag layout is not in hybrid_pack.parallel.boundaries yet")
+@pytest.mark.skipif("zigzag" not in LAYOUTS, reason="the zigzag layout is not in hybrid_pack.boundaries.sharded yet")
 def test_zigzag_rows_are_padded_to_twice_the_context_parallel_size():
     assert TrainConfig(context_parallel=2, cp_layout="zigzag").row_multiple == 4
     assert TrainConfig(context_parallel=1, cp_layout="zigzag").row_multiple == 1

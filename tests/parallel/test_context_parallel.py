@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from hybrid_pack import PackedBoundaries, PackingCollator, packed_loss
+from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.errors import BoundaryError, InputError, UnsupportedModelError
+from hybrid_pack.ops.cp.exchange import TokenExchange, halo_plan
+from hybrid_pack.ops.cp.relayout import relayout_plan
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
-from hybrid_pack.parallel.boundaries import LAYOUTS
-from hybrid_pack.parallel.exchange import TokenExchange, halo_plan
-from hybrid_pack.parallel.relayout import relayout_plan
 from hybrid_pack.schema import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from tests.workers import dist_context_parallel as worker
 from tests.workers.launch import torchrun

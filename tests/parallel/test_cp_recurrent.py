@@ -20,9 +20,9 @@ import torch
 from hybrid_pack.backends import backends_of
 from hybrid_pack.errors import BackendUnavailableError, InputError
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule
+from hybrid_pack.ops.cp.state_passing import state_chain
 from hybrid_pack.ops.fla_cp import FLA_CP
 from hybrid_pack.parallel import ShardedBoundaries
-from hybrid_pack.parallel.state_passing import state_chain
 from tests.kit import Layout
 from tests.workers.cp_recurrent import CASES, LAYOUTS
 from tests.workers.launch import torchrun

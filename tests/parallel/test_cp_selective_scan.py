@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybrid_pack.boundaries.sharded import LAYOUTS as TOKEN_LAYOUTS
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.selective_scan import selective_scan
 from hybrid_pack.parallel import ShardedBoundaries
-from hybrid_pack.parallel.boundaries import LAYOUTS as TOKEN_LAYOUTS
 from tests.workers import cp_selective_scan as worker
 from tests.workers.cp_recurrent import LAYOUTS
 from tests.workers.launch import torchrun

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries
+from hybrid_pack.boundaries.sharded import LAYOUTS as TOKEN_LAYOUTS
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.isolation import relative_error
 from hybrid_pack.ops.selective_scan import selective_scan
 from hybrid_pack.parallel import ShardedBoundaries
-from hybrid_pack.parallel.boundaries import LAYOUTS as TOKEN_LAYOUTS
 from tests.workers.cp_recurrent import LAYOUTS
 from tests.workers.gathered import gather_tokens, summed
 from tests.workers.launch import exit_without_finalizing

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries, PackingCollator
+from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
-from hybrid_pack.parallel.boundaries import LAYOUTS
 from hybrid_pack.testing import Layout, PackingGuard
 from tests.kit import (
     assert_close,

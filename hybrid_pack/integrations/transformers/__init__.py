@@ -22,15 +22,9 @@ import torch
 
 from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.attention import mark_attention, wrap_every_attention
-from hybrid_pack.integrations.transformers.entry import (
-    entry_modules,
-    explicit_keys_in,
-    hand_off,
-    handed_off,
-    install_entry,
-    stray_keys_error,
-)
+from hybrid_pack.integrations.transformers.entry import entry_modules, hand_off, handed_off, install_entry
 from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, WholeCall, family_of
+from hybrid_pack.integrations.transformers.keys import explicit_keys_in, stray_keys_error
 from hybrid_pack.integrations.transformers.mask import skip_masks_of_packed_calls
 from hybrid_pack.schema import BOUNDARIES
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import UnsupportedModelError
-from hybrid_pack.integrations.transformers.entry import explicit_keys_in, stray_keys_error
+from hybrid_pack.integrations.transformers.keys import explicit_keys_in, stray_keys_error
 from hybrid_pack.ops import varlen_attention
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import ATTENTION_MASK, BOUNDARIES
 
 __all__ = ["mark_attention", "is_packed_attention", "wrap_attention", "wrap_every_attention", "PackedAttention",

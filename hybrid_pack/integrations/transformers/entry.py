@@ -27,10 +27,12 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
+from hybrid_pack.integrations.transformers.attention import wrap_attention
+from hybrid_pack.integrations.transformers.keys import EXPLICIT_BOUNDARY_KEYS, explicit_keys_in
 from hybrid_pack.integrations.transformers.mask import enter_call, exit_call
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
@@ -42,29 +44,12 @@ from hybrid_pack.schema import (
     USE_CACHE,
 )
 
-__all__ = ["EXPLICIT_BOUNDARY_KEYS", "install_entry", "is_entry", "entry_modules", "explicit_keys_in",
-           "stray_keys_error", "packed_call_boundaries", "hand_off", "handed_off"]
+__all__ = ["install_entry", "is_entry", "entry_modules", "packed_call_boundaries", "hand_off", "handed_off"]
 
-EXPLICIT_BOUNDARY_KEYS = tuple(key for key in BOUNDARY_KEYS if key != POSITION_IDS)
-"""Keys that only a packed call carries (``position_ids`` alone is packed only when it restarts)."""
 
 OUTPUT_ATTENTIONS = "output_attentions"
 _HIDDEN_STATES = "hidden_states"
 _ENTRY_FLAG = "_hybrid_pack_entry"
-
-
-def explicit_keys_in(kwargs: dict[str, Any]) -> list[str]:
-    """The explicit boundary keys given a value in ``kwargs``."""
-    return [key for key in EXPLICIT_BOUNDARY_KEYS if kwargs.get(key) is not None]
-
-
-def stray_keys_error(layer: str, keys: list[str]) -> BoundaryError:
-    """The error of a patched layer that receives the collator's packed keys instead of ``boundaries``."""
-    return BoundaryError(
-        f"{layer}: received {', '.join(keys)} but no boundaries, so it would run the packed row as one document. "
-        "The keys reached this layer without passing through a patched entry (the model, its backbone or a "
-        "decoder layer). Fix: pass the batch to the patched model, model.base_model or a decoder layer, or call "
-        "the layer with boundaries=hybrid_pack.PackedBoundaries.from_batch(batch)")
 
 
 def _tokens(arguments: dict[str, Any]) -> torch.Tensor | None:
@@ -236,8 +221,6 @@ class _EntryHook:
         call = _enter(self.signature, module, args, kwargs)
         if self.signature.by_positions:
             if call is not None:   # an implementation registered after patch_model is served too
-                from hybrid_pack.integrations.transformers.attention import wrap_attention
-
                 wrap_attention(module.config._attn_implementation)
             if not torch.compiler.is_compiling():   # a traced mask is dead code in the packed graph
                 enter_call(module, module.config, call is not None)

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError, UnsupportedModelError
 from hybrid_pack.ops.attention.indexed import document_pools, document_topk, indexed_attention, visible_tail
 from hybrid_pack.ops.invariant import refuse_in_batch_invariant_mode
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["qsa_attention_forward", "qsa_selection"]
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError, UnsupportedModelError
 from hybrid_pack.ops.invariant import refuse_in_batch_invariant_mode
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["ngram_embedding_forward", "dilated_causal_conv", "ple_forward", "ple_call"]
 

@@ -3,7 +3,7 @@
 Only the first segment of each of this rank's chunks can have earlier keys elsewhere (a document that
 began before the chunk: on another rank, or on this one for the zigzag layout's later chunk). The rank
 receives, before each chunk, that document's earlier keys and values (both in one exchange,
-:func:`~hybrid_pack.parallel.exchange.with_preceding_tokens`); the document's queries in the chunk attend
+:func:`~hybrid_pack.ops.cp.exchange.with_preceding_tokens`); the document's queries in the chunk attend
 to ``[earlier, in the chunk]`` keys with the causal diagonal aligned to the bottom right (query ``i`` sees
 keys ``<= halo + i``), blockwise with an online softmax
 (:func:`~hybrid_pack.ops.attention.blockwise.lower_right_causal_attention`: never a ``[Tq, Tk]`` score or
@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.attention.blockwise import lower_right_causal_attention
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.exchange import with_preceding_tokens
+from hybrid_pack.ops.cp.exchange import with_preceding_tokens
 
 __all__ = ["varlen_attention_cp"]
 

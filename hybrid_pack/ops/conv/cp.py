@@ -3,7 +3,7 @@
 Where one of this rank's chunks starts inside a document, the chunk's first ``W - 1`` outputs read the
 document's inputs before the chunk, held by another rank (or by this one, for the zigzag layout's later
 chunk). The rank receives, before each chunk, those ``min(W - 1, first position)`` tokens (its halo,
-:func:`~hybrid_pack.parallel.exchange.with_preceding_tokens`), runs the single-device op once on
+:func:`~hybrid_pack.ops.cp.exchange.with_preceding_tokens`), runs the single-device op once on
 ``[halo_0, chunk_0, halo_1, chunk_1]`` with each halo joined to its chunk's first segment, and drops the
 halos' outputs. The halos' gradients go back to the tokens they came from. Serves every layout. Elements
 received per rank: at most ``(W - 1) * D`` per chunk, whatever the row length.
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.exchange import with_preceding_tokens
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.ops.cp.exchange import with_preceding_tokens
 
 __all__ = ["causal_conv1d_cp"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.fla_cp import fla_cp_context, fla_cp_device_reason, fla_cp_reason
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["device_probe", "fla_cp_accepts", "causal_conv1d_fla_cp"]
 

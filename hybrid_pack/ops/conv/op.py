@@ -9,10 +9,10 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
+from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
-from hybrid_pack.parallel.compile import eager_on_shards
 
 
 @eager_on_shards

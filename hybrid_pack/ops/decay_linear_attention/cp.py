@@ -7,7 +7,7 @@ and ``e^{Γ} S_in`` to its final state: one product per token, no second pass. A
 local part.
 
 Each rank all-gathers ``(S0 of its last segment, e^Γ of its first)`` and folds what precedes it
-(:mod:`hybrid_pack.parallel.state_passing`). Exchanged per rank: ``world_size * H * (K * V + 1)`` numbers,
+(:mod:`hybrid_pack.ops.cp.state_passing`). Exchanged per rank: ``world_size * H * (K * V + 1)`` numbers,
 whatever the row length.
 """
 
@@ -18,9 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from hybrid_pack.ops.validate import state_dtype
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.state_passing import (
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.ops.cp.state_passing import (
     fold,
     gather_summaries,
     segment_initial_states,
@@ -28,6 +27,7 @@ from hybrid_pack.parallel.state_passing import (
     state_chain,
     tie,
 )
+from hybrid_pack.ops.validate import state_dtype
 
 __all__ = ["decay_linear_attention_cp"]
 

@@ -8,12 +8,12 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.decay_linear_attention.check import OP, signature_of
 from hybrid_pack.ops.decay_linear_attention.cp import decay_linear_attention_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
-from hybrid_pack.parallel.compile import eager_on_shards
 
 
 @eager_on_shards

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row, compare, tolerance_for
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, signature_text
 from hybrid_pack.ops.dispatch.registry import contract_of
 from hybrid_pack.ops.dispatch.route import route_of
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["adversarial_cp_row", "cp_check", "rank_arguments"]
 

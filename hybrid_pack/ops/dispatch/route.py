@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.cp.relayout import on_contiguous
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
 from hybrid_pack.ops.dispatch.registry import get_backend
 from hybrid_pack.ops.dispatch.selector import describe, resolve, resolve_invariant, resolve_sharded, static_choice
 from hybrid_pack.ops.invariant import SEQUENCE_MIXING, is_batch_invariant, per_document
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.relayout import on_contiguous
 
 __all__ = ["OpRoute", "route_of"]
 
@@ -55,7 +55,7 @@ class OpRoute:
             for backends with no static form.
         from_opaque: ``(outputs, arguments) -> result``: the node's list of outputs in the op's return convention.
         layouts: the :class:`~hybrid_pack.parallel.ShardedBoundaries` layouts ``sharded`` serves; on another, the
-            per-token tensors move to the contiguous layout and back (:mod:`hybrid_pack.parallel.relayout`).
+            per-token tensors move to the contiguous layout and back (:mod:`hybrid_pack.ops.cp.relayout`).
     """
 
     op: str

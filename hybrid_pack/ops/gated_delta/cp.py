@@ -10,7 +10,7 @@ segment's start to token ``t``): their final state is ``M``, and their output at
 ``o_t + S_in^T u_t``, a product per token, no second pass. Any backend of the op serves.
 
 Each rank then all-gathers ``(S0 of its last segment, M of its first)`` and folds what precedes it
-(:mod:`hybrid_pack.parallel.state_passing`). Exchanged per rank: ``world_size * HV * K * (V + K)``
+(:mod:`hybrid_pack.ops.cp.state_passing`). Exchanged per rank: ``world_size * HV * K * (V + K)``
 numbers, whatever the row length.
 """
 
@@ -21,9 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from hybrid_pack.ops.validate import state_dtype
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.state_passing import (
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.ops.cp.state_passing import (
     fold,
     gather_summaries,
     segment_initial_states,
@@ -31,6 +30,7 @@ from hybrid_pack.parallel.state_passing import (
     state_chain,
     tie,
 )
+from hybrid_pack.ops.validate import state_dtype
 
 __all__ = ["gated_delta_rule_cp"]
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.fla_cp import fla_cp_context, fla_cp_device_reason, fla_cp_reason
 from hybrid_pack.ops.gated_delta import fla_hopper
 from hybrid_pack.ops.gated_delta.kernel_fla import MAX_HEAD_DIM
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["device_reason", "device_probe", "fla_cp_accepts", "gated_delta_rule_fla_cp"]
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
 
 __all__ = ["kda_cp"]
 

@@ -6,7 +6,7 @@ decay ``[D, N]``, one per channel and state entry (the SSD's is one per head). A
 ``dt`` from the segment's start): that is the scan of the first segment from ``h_in`` with no input. The ``D``
 skip and the ``silu(z)`` gate come after and are local. So each rank scans its segments from zero
 (:func:`.torch_backend.scan`, which also gives the last segment's final state), all-gathers ``(h0 of its last
-segment, the decay of its first)``, folds what precedes it (:mod:`hybrid_pack.parallel.state_passing`) and scans
+segment, the decay of its first)``, folds what precedes it (:mod:`hybrid_pack.ops.cp.state_passing`) and scans
 its first segment once more from the incoming state; both scans are chunked, so memory stays ``O(T_local·D)``.
 Exchanged per rank: ``world_size * 2 * D * N`` numbers, whatever the row length.
 """
@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.ops.cp.state_passing import fold, gather_summaries, state_chain, tie
 from hybrid_pack.ops.selective_scan import torch_backend
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.state_passing import fold, gather_summaries, state_chain, tie
 
 __all__ = ["selective_scan_cp"]
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.selective_scan.check import OP, signature_of
 from hybrid_pack.ops.selective_scan.cp import selective_scan_cp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.compile import eager_on_shards
 
 __all__ = ["selective_scan"]
 

@@ -5,7 +5,7 @@ per head. An incoming state adds, at token ``t`` of the first segment, ``exp(s_t
 scan's output (``s_t`` the cumulative ``dt A`` from the segment's start), before the ``silu(z)`` gate;
 ``D x`` and the gate are local. So each rank runs the local op from zero (or the user's initial
 states), all-gathers ``(h0 of its last segment, the decay of its first)`` and folds what precedes it
-(:mod:`hybrid_pack.parallel.state_passing`); the correction is a product per token. ``h0`` is computed
+(:mod:`hybrid_pack.ops.cp.state_passing`); the correction is a product per token. ``h0`` is computed
 in closed form over the last segment, so the local op is asked for no states it was not asked for by
 the caller, and any backend (mamba-ssm's kernel included) serves it. Exchanged per
 rank: ``world_size * H * (P * N + 1)`` numbers, whatever the row length.
@@ -18,16 +18,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hybrid_pack.ops.ssd.torch_backend import discretize_dt
-from hybrid_pack.ops.validate import state_dtype
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
-from hybrid_pack.parallel.state_passing import (
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.ops.cp.state_passing import (
     fold,
     gather_summaries,
     segment_initial_states,
     state_chain,
     tie,
 )
+from hybrid_pack.ops.ssd.torch_backend import discretize_dt
+from hybrid_pack.ops.validate import state_dtype
 
 __all__ = ["mamba2_ssd_cp"]
 

@@ -4,7 +4,7 @@ The recurrent ops (Gated DeltaNet, the SSD) pass state from rank to rank along t
 rank to hold one contiguous piece: under the zigzag layout they run on the contiguous layout, as
 Megatron-LM runs Gated DeltaNet. :func:`to_contiguous` sends every token of a ``[1, T_local, ...]`` tensor
 to the rank holding it under the contiguous layout (point to point, a local copy where that is this rank;
-:mod:`hybrid_pack.parallel.exchange`), :func:`to_layout` sends it back; each one's backward is the other's
+:mod:`hybrid_pack.ops.cp.exchange`), :func:`to_layout` sends it back; each one's backward is the other's
 exchange. :func:`on_contiguous` runs a call on relayouted per-token arguments and relayouts its per-token
 outputs back. Bytes sent per rank and tensor: the tokens it holds that another rank holds under the other
 layout (``T_local / 2 * elements per token`` from zigzag to contiguous on 2 ranks or more).
@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.boundaries.sharded import ShardedBoundaries, layout_chunks
 from hybrid_pack.errors import InputError
-from hybrid_pack.parallel.boundaries import ShardedBoundaries, layout_chunks
-from hybrid_pack.parallel.exchange import TokenExchange, exchange_tokens, plan_exchange
+from hybrid_pack.ops.cp.exchange import TokenExchange, exchange_tokens, plan_exchange
 
 __all__ = ["relayout_plan", "to_contiguous", "to_layout", "on_contiguous"]
 
 
 def relayout_plan(boundaries: ShardedBoundaries, source: str, target: str) -> TokenExchange:
     """This rank's part of the exchange moving every token of the row from the rank holding it under the layout
-    ``source`` to the rank holding it under ``target`` (one of :data:`~hybrid_pack.parallel.boundaries.LAYOUTS`
+    ``source`` to the rank holding it under ``target`` (one of :data:`~hybrid_pack.boundaries.sharded.LAYOUTS`
     each), in ``target``'s local order. Host-side; kept on ``boundaries``."""
     def build() -> TokenExchange:
         total, world = boundaries.row.total_tokens, boundaries.world_size

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.parallel.boundaries import ShardedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries
 
 __all__ = ["StateChain", "state_chain", "segments_as_documents", "segment_initial_states",
            "gather_summaries", "fold", "tie"]

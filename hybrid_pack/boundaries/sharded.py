@@ -210,7 +210,7 @@ class ShardedBoundaries:
 
     def contiguous(self) -> ShardedBoundaries:
         """The contiguous layout's shard of the same row, group and rank (this object when it is one): what
-        an op without a path for this layout runs on after :mod:`hybrid_pack.parallel.relayout`."""
+        an op without a path for this layout runs on after :mod:`hybrid_pack.ops.cp.relayout`."""
         if self.layout == "contiguous":
             return self
 
@@ -227,7 +227,7 @@ class ShardedBoundaries:
                 f"boundaries.{name}: describes a rank holding one contiguous piece of the row, but this shard has "
                 f"the {self.layout!r} layout (chunks {list(self.chunks)}); read boundaries.chunks and "
                 "boundaries.chunk_first_positions, or run on boundaries.contiguous() after relayouting the tokens "
-                "(hybrid_pack.parallel.relayout)")
+                "(hybrid_pack.ops.cp.relayout)")
 
     def check_group(self) -> None:
         """Raise :class:`InputError` unless this process is rank ``rank`` of a ``group`` of ``world_size``."""
@@ -246,7 +246,7 @@ class ShardedBoundaries:
     def extended(self, halos: tuple[int, ...]) -> PackedBoundaries:
         """Plain boundaries of ``[halo_0, chunk_0, halo_1, chunk_1, ...]``: ``halos[i]`` preceding row tokens
         joined to chunk ``i``'s first segment (what a single-device op runs on after
-        :func:`~hybrid_pack.parallel.exchange.with_preceding_tokens`)."""
+        :func:`~hybrid_pack.ops.cp.exchange.with_preceding_tokens`)."""
         if not any(halos):
             return self.local
 

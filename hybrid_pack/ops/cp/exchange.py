@@ -9,7 +9,7 @@ run time: a rank that has nothing to send or receive posts nothing.
 
 Two exchanges use it. :func:`with_preceding_tokens`: before each of a rank's chunks, some of the tokens of
 the chunk's first document that precede the chunk in the row (the conv its last ``W - 1`` inputs,
-attention all its keys and values). :mod:`hybrid_pack.parallel.relayout`: a rank's tokens under another
+attention all its keys and values). :mod:`hybrid_pack.ops.cp.relayout`: a rank's tokens under another
 layout.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.parallel.boundaries import Chunk, ShardedBoundaries
+from hybrid_pack.boundaries.sharded import Chunk, ShardedBoundaries
 
 __all__ = ["TokenExchange", "plan_exchange", "exchange_tokens", "HaloPlan", "halo_plan", "with_preceding_tokens"]
 
