@@ -6,7 +6,7 @@ The row: the 8 sequences of tests/test_batch_invariant.py (1 to 60 tokens, 183 i
 tokens (``PackingCollator(pack_length=256, max_documents=8)``). Each figure is the median of ``--repeats`` timed
 steps after two warm-up steps::
 
-    python benchmarks/bench_batch_invariant.py [--repeats 15] [--out benchmarks/results/batch_invariant.json]
+    PYTHONPATH=. python benchmarks/bench_batch_invariant.py [--repeats 15] [--threads 2] [--out ...]
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ ROW = 256
 
 def _models() -> dict[str, tuple[torch.nn.Module, contextlib.AbstractContextManager[None]]]:
     from hybrid_pack.integrations.transformers import patch_model
-    from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
     from hybrid_pack.modeling import from_preset
+    from tests.support.torch_path import pure_torch_transformers
 
     torch.manual_seed(0)
     bamba = from_preset("bamba-tiny", vocab_size=512).train()
@@ -53,9 +54,10 @@ def _step(model: torch.nn.Module, batch: dict, invariant: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is steadier on a shared machine)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "batch_invariant.json")
     args = parser.parse_args()
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     results = []
     for name, (model, context) in _models().items():

@@ -61,12 +61,12 @@ from datasets import Dataset
 from hybrid_pack.data import load_lengths
 from hybrid_pack.integrations.transformers.tiny import (
     VOCAB,
-    pure_torch_transformers,
     tiny_model,
     tiny_tokenizer,
 )
 from hybrid_pack.integrations.trl import PackedGRPOTrainer
 from hybrid_pack.schema import ATTENTION_MASK, INPUT_IDS, NUM_PAD_TOKENS
+from tests.support.torch_path import pure_torch_transformers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo.json"
 FAMILIES = {"qwen3_next": "Qwen3-Next (tiny, MoE)", "bamba": "Bamba (tiny)"}

@@ -30,8 +30,9 @@ import transformers
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.families import FAMILIES
-from hybrid_pack.integrations.transformers.tiny import CHUNK, VOCAB, pure_torch_transformers, tiny_model
+from hybrid_pack.integrations.transformers.tiny import CHUNK, VOCAB, tiny_model
 from hybrid_pack.testing import check_isolation
+from tests.support.torch_path import pure_torch_transformers
 
 RESULTS = Path(__file__).parent / "results"
 LENGTHS = [1, 3 * CHUNK + 5, 2, 4, CHUNK - 1, CHUNK]  # one-token docs, one > 3 chunks, conv edges

@@ -3,6 +3,8 @@
 Data flow: ``packing`` (plans) -> ``collate`` (PackingCollator) -> ``boundaries``
 (PackedBoundaries) -> ``ops`` (boundary-safe kernels, chosen by ``backends``) -> ``modeling`` /
 ``integrations`` -> ``training`` and the ``testing`` harness.
+
+Every name loads on first use, so importing the package (e.g. its pytest plugin) imports no torch.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hybrid_pack.boundaries import PackedBoundaries
-
 __version__ = "0.1.0"
 
 _LAZY = {
+    "PackedBoundaries": "hybrid_pack.boundaries",
     "PackPlan": "hybrid_pack.packing",
     "plan_packs": "hybrid_pack.packing",
     "PackedBatchSampler": "hybrid_pack.packing",
@@ -25,7 +26,7 @@ _LAZY = {
     "batch_invariant": "hybrid_pack.ops.invariant",
 }
 
-__all__ = ["PackedBoundaries", "__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

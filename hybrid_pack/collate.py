@@ -34,6 +34,7 @@ from hybrid_pack.schema import (
     CU_SEQ_LENS_Q,
     DEFAULT_EXTRA_TOKEN_KEYS,
     FLOAT_TOKEN_KEYS,
+    HOST_BOUNDARIES,
     IGNORE_INDEX,
     INPUT_IDS,
     LABELS,
@@ -86,7 +87,7 @@ class PackingCollator:
         position_ids_fn: how the model numbers one sample's positions, for models whose positions are not
             ``0..L-1`` (M-RoPE): ``fn(input_ids [1, L] int64, mm_token_type_ids [1, L] int64 | None,
             image_grid_thw [n, 3] int64 | None, video_grid_thw [m, 3] int64 | None) -> int64 [3, 1, L]``, e.g.
-            ``hybrid_pack.integrations.transformers.mrope.mrope_position_ids(model)``. ``position_ids`` is then
+            ``hybrid_pack.mrope.mrope_position_ids(model)``. ``position_ids`` is then
             int64 ``[3, 1, T]``: every document's own positions, as the model computes them for it alone, and
             ``0..pad-1`` on every row for the padding. None: the restarting 1-D positions, right for text and for
             vision-language models with 1-D positions, wrong for an M-RoPE model given images. It must pickle
@@ -113,11 +114,16 @@ class PackingCollator:
       (one tensor under both names);
     - ``max_length_q``, ``max_length_k``: Python int, the longest segment;
     - every extra key present: float32 or int64 ``[1, T]``;
-    - ``num_pad_tokens``: Python int, only when padding was added.
+    - ``num_pad_tokens``: Python int, only when padding was added;
+    - ``host_boundaries``: a :class:`~hybrid_pack.boundaries.host.HostBoundaries`, the segment lengths as Python
+      ints (no tensor, no ``.to``: ``transformers.Trainer``, accelerate and TRL pass it to the model untouched), so
+      that the model builds its boundaries without reading a tensor (docs/api.md §9b). It holds only for the
+      tensors it came with: drop it from a batch whose tokens or boundary keys you cut or edit. Not in the static
+      form (``max_documents``): a compiled graph reads shapes only.
 
     With ``return_flash_attn_kwargs=True, return_seq_idx=True`` transformers' ``DataCollatorWithFlattening``
-    gives the same keys, values, dtypes and types for the same features, ``"pt"`` or ``"np"``
-    (``tests/test_collate_hf.py``). Where it is lenient this class refuses, as documented below and in
+    gives the same keys (``host_boundaries`` aside), values, dtypes and types for the same features, ``"pt"`` or
+    ``"np"`` (``tests/test_collate_hf.py``). Where it is lenient this class refuses, as documented below and in
     docs/collator.md: a key it does not take (transformers drops it), an empty example (dropped there),
     ``labels`` in some examples only (read from the first example there).
 
@@ -221,7 +227,8 @@ class PackingCollator:
         else:
             labels = _concat(LABELS, *column, layout, separator_id, torch.int64)
         labels.numpy()[0, boundaries.cu_seqlens.numpy()[:len(lengths)]] = separator_id
-        batch: dict[str, Any] = {INPUT_IDS: input_ids, LABELS: labels, **boundaries.hf_kwargs()}
+        batch: dict[str, Any] = {INPUT_IDS: input_ids, LABELS: labels, **boundaries.hf_kwargs(),
+                                 HOST_BOUNDARIES: boundaries.host()}
         for key in self.extra_token_keys:
             column = _column(docs, key, layout)
             if column is not None:
@@ -231,7 +238,8 @@ class PackingCollator:
             batch.update(pack_vision_inputs(docs, lengths, num_pad, input_ids, self.position_ids_fn))
         if num_pad:
             batch[NUM_PAD_TOKENS] = num_pad
-        if self.max_documents is not None:
+        if self.max_documents is not None:  # a compiled graph reads shapes only: no host entry (§9)
+            del batch[HOST_BOUNDARIES]
             cu_seqlens = StaticBoundaries.from_boundaries(boundaries, self.max_documents).cu_seqlens
             batch.update({CU_SEQ_LENS_Q: cu_seqlens, CU_SEQ_LENS_K: cu_seqlens, MAX_LENGTH_Q: self.pack_length,
                           MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(num_pad)})

@@ -31,7 +31,7 @@ PositionIdsFn = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | N
                          torch.Tensor]
 """``fn(input_ids [1, L] int64, mm_token_type_ids [1, L] int64 | None, image_grid_thw [n, 3] int64 | None,
 video_grid_thw [m, 3] int64 | None) -> int64 [3, 1, L]``: one sample's positions as the model computes them
-for that sample alone (e.g. :func:`hybrid_pack.integrations.transformers.mrope.mrope_position_ids`)."""
+for that sample alone (e.g. :func:`hybrid_pack.mrope.mrope_position_ids`)."""
 
 
 def is_multimodal(example: Mapping[str, Any]) -> bool:

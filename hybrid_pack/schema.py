@@ -15,6 +15,7 @@ __all__ = [
     "IGNORE_INDEX", "INPUT_IDS", "LABELS", "POSITION_IDS", "SEQ_IDX", "CU_SEQ_LENS_Q", "CU_SEQ_LENS_K",
     "MAX_LENGTH_Q", "MAX_LENGTH_K", "NUM_PAD_TOKENS", "RESPONSE_MASK", "TOOL_MASK", "ADVANTAGES", "OLD_LOGPROBS",
     "SAMPLE_INDEX", "INPUTS_EMBEDS", "ATTENTION_MASK", "BOUNDARIES", "NUM_ITEMS_IN_BATCH", "SHIFT_LABELS",
+    "HOST_BOUNDARIES",
     "PackedBatch",
     "BOUNDARY_KEYS", "PRIMARY_BOUNDARY_KEYS", "SECONDARY_BOUNDARY_KEYS", "COLLATED_KEYS", "DEFAULT_EXTRA_TOKEN_KEYS",
     "FLOAT_TOKEN_KEYS", "ROLLOUT_TOKEN_KEYS", "CACHE_KEYS", "USE_CACHE",
@@ -34,6 +35,9 @@ CU_SEQ_LENS_K = "cu_seq_lens_k"
 MAX_LENGTH_Q = "max_length_q"
 MAX_LENGTH_K = "max_length_k"
 NUM_PAD_TOKENS = "num_pad_tokens"
+HOST_BOUNDARIES = "host_boundaries"
+"""The collator's segment lengths as Python ints (a ``HostBoundaries``, no tensor): with it the model builds its
+boundaries without reading a tensor (docs/api.md §9b). Only valid for the tensors it was collated with."""
 
 # --- per-token extras (RL) ----------------------------------------------------------------------
 RESPONSE_MASK = "response_mask"
@@ -76,6 +80,7 @@ class PackedBatch(_PackedBatchKeys, total=False):
     """The dict :class:`~hybrid_pack.PackingCollator` returns; the optional keys are present when given."""
 
     num_pad_tokens: int           # tokens of the trailing padding segment (absent means 0; 0-d tensor if static)
+    host_boundaries: object       # HostBoundaries: the segment lengths as Python ints (absent in the static form)
     response_mask: torch.Tensor   # int64 [1, T]
     tool_mask: torch.Tensor       # int64 [1, T]
     advantages: torch.Tensor      # float32 [1, T]
@@ -93,7 +98,7 @@ SECONDARY_BOUNDARY_KEYS = (CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, NUM_PAD_TO
 BOUNDARY_KEYS = PRIMARY_BOUNDARY_KEYS + SECONDARY_BOUNDARY_KEYS
 """Every key that describes the documents of a packed row."""
 
-COLLATED_KEYS = frozenset({INPUT_IDS, LABELS, *BOUNDARY_KEYS})
+COLLATED_KEYS = frozenset({INPUT_IDS, LABELS, HOST_BOUNDARIES, *BOUNDARY_KEYS})
 """Keys the collator builds itself (an extra per-token key may not take one of these names)."""
 
 DEFAULT_EXTRA_TOKEN_KEYS = (RESPONSE_MASK, TOOL_MASK, ADVANTAGES, OLD_LOGPROBS)

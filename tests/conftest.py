@@ -1,6 +1,7 @@
 """Test-session settings: one torch thread per pytest worker (the suite runs under xdist on a
 2-core machine; several OpenMP threads per worker only contend), and a fresh results cache for the
-backends' self-checks per worker (a verdict kept from an earlier run must never decide a test)."""
+backends' self-checks per worker (a verdict kept from an earlier run must never decide a test), and no verdict
+settled or backend chosen by one test left for the next (a test may swap the registry's backends)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.verdicts import CACHE_ENV
 
 torch.set_num_threads(1)
@@ -24,3 +26,10 @@ def fresh_backend_check_results(tmp_path_factory: pytest.TempPathFactory) -> Ite
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = before
+
+
+@pytest.fixture(autouse=True)
+def unsettled_backends() -> Iterator[None]:
+    yield
+    verdicts.SETTLED.clear()
+    verdicts.CHOICES.clear()

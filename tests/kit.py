@@ -349,7 +349,7 @@ def _on_token_outputs(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -
     return fn(result)
 
 
-DEFECTS = ("ignores_boundaries", "gradient_leak", "one_percent_off", "raises", "backward_raises")
+DEFECTS = ("ignores_boundaries", "gradient_leak", "one_percent_off", "tenth_percent_off", "raises", "backward_raises")
 """What :func:`with_defect` can plant: a forward leak, a leak only through the gradient, a 1% error, an
 exception, an exception in the backward pass."""
 
@@ -370,6 +370,8 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
         result = fn(*tensors, boundaries, **kwargs)
         if defect == "one_percent_off":
             return _on_token_outputs(result, lambda t: t * 1.01)
+        if defect == "tenth_percent_off":
+            return _on_token_outputs(result, lambda t: t * 1.001)
         if defect == "gradient_leak":
             return _on_token_outputs(result, _GradientLeak.apply)
         if defect == "backward_raises":

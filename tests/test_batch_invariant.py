@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hybrid_pack
 from hybrid_pack.boundaries import PackedBoundaries
@@ -43,9 +44,47 @@ def test_row_permuted_gemm_is_bitwise_stable() -> None:
             assert all(torch.equal(results[0], r) for r in results[1:]), (dtype, hidden, out)
 
 
-def _op_outputs(op: str, case, layout: list[list[int]], weights: list[torch.Tensor], grads: bool
+def test_batched_products_are_bitwise_stable_per_member() -> None:
+    """The claim the mode's whole-row ops and attention buckets rest on: a member of a batched product (``bmm``, a
+    batched triangular solve, SDPA over padded rows, forward and input gradients) gets the same bits whatever the
+    batch's size and its place in it (fp32 and bf16, the chunked scans' and the tiny models' attention shapes)."""
+    generator = torch.Generator().manual_seed(0)
+    real = torch.arange(64)[None, :] < torch.tensor([64, 40, 3, 17, 64, 1, 33])[:, None]   # key padding, per member
+    eye = torch.eye(32)
+    cases = {   # name: (fn(order, *inputs), input shapes, dtypes)
+        "bmm": (lambda order, a, b: a @ b, [(7, 4, 64, 16), (7, 4, 16, 64)], (torch.float32, torch.bfloat16)),
+        "solve_triangular": (lambda order, a, b: torch.linalg.solve_triangular(
+            a.tril(-1) * 0.1 + eye, b, upper=False, unitriangular=True), [(7, 4, 32, 32), (7, 4, 32, 24)],
+            (torch.float32,)),
+        "sdpa causal": (lambda order, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                        [(7, 4, 64, 16), (7, 2, 64, 16), (7, 2, 64, 16)], (torch.float32, torch.bfloat16)),
+        "sdpa key padding": (lambda order, q, k, v: F.scaled_dot_product_attention(
+            q, k, v, enable_gqa=True, attn_mask=real[order].view(len(order), 1, 1, 64)),
+            [(7, 4, 64, 16), (7, 2, 64, 16), (7, 2, 64, 16)], (torch.float32, torch.bfloat16)),
+    }
+    for name, (fn, shapes, dtypes) in cases.items():
+        for dtype in dtypes:
+            inputs = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+
+            def members(order: list[int], fn=fn, inputs=inputs) -> list[list[torch.Tensor]]:
+                leaves = [x[order].detach().requires_grad_() for x in inputs]
+                out = fn(order, *leaves)
+                weights = torch.stack([torch.randn(out.shape[1:], generator=torch.Generator().manual_seed(i))
+                                       for i in order])
+                (out.float() * weights).sum().backward()
+                return [[out[j].detach(), *(leaf.grad[j] for leaf in leaves)] for j in range(len(order))]
+
+            whole = members(list(range(7)))
+            for order in ([3], [5, 0], [6, 5, 4, 3, 2, 1, 0]):
+                for place, (member, part) in enumerate(zip(order, members(order), strict=True)):
+                    assert all(torch.equal(a, b) for a, b in zip(whole[member], part, strict=True)), (
+                        name, dtype, order, place)
+
+
+def _op_outputs(op: str, case, layout: list[list[int]], weights: list[torch.Tensor], grads: bool, row_length: int = ROW
                 ) -> tuple[dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]]]:
-    """Each document's token outputs and input gradients when the documents run in the rows of ``layout``."""
+    """Each document's token outputs and input gradients when the documents run in the rows (of ``row_length``
+    tokens) of ``layout``."""
     contract = contract_of(op)
     starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
     leaves = {name: [case.arguments[name][:, s:s + n].detach().clone().requires_grad_(grads)
@@ -54,10 +93,10 @@ def _op_outputs(op: str, case, layout: list[list[int]], weights: list[torch.Tens
     outputs, gradients = {}, {}
     for row in layout:
         used = sum(LENGTHS[i] for i in row)
-        boundaries = PackedBoundaries.from_document_lengths([LENGTHS[i] for i in row], num_pad_tokens=ROW - used)
+        boundaries = PackedBoundaries.from_document_lengths([LENGTHS[i] for i in row], num_pad_tokens=row_length - used)
         arguments = dict(case.arguments)
         for name, pieces in leaves.items():
-            pad = pieces[0].new_zeros(1, ROW - used, *pieces[0].shape[2:])
+            pad = pieces[0].new_zeros(1, row_length - used, *pieces[0].shape[2:])
             arguments[name] = torch.cat([pieces[i] for i in row] + [pad], dim=1)
         token_outputs, _ = contract.outputs(case.call(route_of(op).public, boundaries, arguments))
         start = 0
@@ -76,8 +115,9 @@ def _op_outputs(op: str, case, layout: list[list[int]], weights: list[torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op", [*sorted(SEQUENCE_MIXING), "attention-window"])
 def test_op_is_batch_invariant(op: str, dtype: torch.dtype) -> None:
-    """Every document's outputs and input gradients: bitwise equal across three packings and alone inside the
-    mode; outside it, the difference is printed (not asserted). ``attention-window``: a sliding window of 5."""
+    """Every document's outputs and input gradients: bitwise equal across three packings, alone, and alone in a
+    shorter row (64 tokens) inside the mode; outside it, the difference is printed (not asserted).
+    ``attention-window``: a sliding window of 5."""
     op, window = ("attention", 5) if op == "attention-window" else (op, None)
     contract = contract_of(op)
     generator = torch.Generator().manual_seed(0)
@@ -90,6 +130,7 @@ def test_op_is_batch_invariant(op: str, dtype: torch.dtype) -> None:
     weights = [torch.randn(1, n, generator=generator) for n in LENGTHS]
     with hybrid_pack.batch_invariant():
         runs = [_op_outputs(op, case, layout, weights, grads=True) for layout in (ALONE, *PACKINGS)]
+        runs.append(_op_outputs(op, case, ALONE, weights, grads=True, row_length=64))
     (alone, alone_grads), others = runs[0], runs[1:]
     for outputs, grads in others:
         for i in range(len(LENGTHS)):

@@ -13,7 +13,7 @@ import torch
 
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import InputError
-from hybrid_pack.schema import IGNORE_INDEX, NUM_PAD_TOKENS, POSITION_IDS, RESPONSE_MASK
+from hybrid_pack.schema import HOST_BOUNDARIES, IGNORE_INDEX, NUM_PAD_TOKENS, POSITION_IDS, RESPONSE_MASK
 
 transformers = pytest.importorskip("transformers")
 DataCollatorWithFlattening = transformers.DataCollatorWithFlattening
@@ -53,7 +53,12 @@ FEATURE_SETS: dict[str, Callable[[], list[dict]]] = {
 
 
 def assert_same_batch(ours: dict, theirs: dict) -> None:
-    """Key by key: the same keys in the same order, and per key the same type, dtype, shape and values."""
+    """Key by key: the same keys in the same order, and per key the same type, dtype, shape and values; ours with
+    ``host_boundaries`` besides (the segment lengths on the host, docs/api.md §9b: tests/test_host_reads.py)."""
+    if HOST_BOUNDARIES in ours:
+        lengths = tuple(np.diff(np.asarray(ours["cu_seq_lens_q"])).tolist())
+        assert ours[HOST_BOUNDARIES].segment_lengths == lengths
+        ours = {key: value for key, value in ours.items() if key != HOST_BOUNDARIES}
     assert list(ours) == list(theirs)
     for key, want in theirs.items():
         got = ours[key]
@@ -131,14 +136,16 @@ def test_keys_added_beyond_transformers() -> None:
     assert_same_batch(PackingCollator(pad_to_multiple_of=10)(features), theirs)   # no padding needed: no key added
 
     padded = PackingCollator(pad_to_multiple_of=16)(features)
-    assert list(padded) == [*theirs, NUM_PAD_TOKENS] and padded[NUM_PAD_TOKENS] == 2
+    assert [key for key in padded if key != HOST_BOUNDARIES] == [*theirs, NUM_PAD_TOKENS]
+    assert padded[NUM_PAD_TOKENS] == 2
     for key in ("input_ids", "labels", "position_ids", "seq_idx"):
         assert padded[key][:, :30].tolist() == theirs[key].tolist(), key
     assert padded["cu_seq_lens_q"].tolist() == [*theirs["cu_seq_lens_q"].tolist(), 32]
 
     with_mask = [{**f, RESPONSE_MASK: [1] * len(f["input_ids"])} for f in features]
     ours = PackingCollator()(with_mask)
-    assert list(ours) == [*theirs, RESPONSE_MASK] and ours[RESPONSE_MASK].shape == (1, 30)
+    assert [key for key in ours if key != HOST_BOUNDARIES] == [*theirs, RESPONSE_MASK]
+    assert ours[RESPONSE_MASK].shape == (1, 30)
     assert_same_batch({key: ours[key] for key in theirs}, DataCollatorWithFlattening(**BOUNDARY_FLAGS)(with_mask))
 
 

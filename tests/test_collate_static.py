@@ -8,7 +8,7 @@ import torch
 
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import InputError
-from hybrid_pack.schema import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, NUM_PAD_TOKENS
+from hybrid_pack.schema import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, HOST_BOUNDARIES, NUM_PAD_TOKENS
 
 PACK_LENGTH, MAX_DOCUMENTS = 32, 5
 LAYOUTS = [(32,), (10, 22), (1, 2, 3), (4, 4, 4, 4, 16), (3, 3, 3, 3, 3), (1,)]
@@ -44,7 +44,9 @@ def test_static_batch_reads_back_as_the_same_documents(lengths: tuple[int, ...])
     used = len(plain[CU_SEQ_LENS_Q])
     assert cu_seqlens[:used] == plain[CU_SEQ_LENS_Q].tolist()
     assert cu_seqlens[used:] == [PACK_LENGTH] * (len(cu_seqlens) - used), "unused slots repeat L, at the end"
-    for key in plain.keys() - {CU_SEQ_LENS_Q, CU_SEQ_LENS_K, "max_length_q", "max_length_k", NUM_PAD_TOKENS}:
+    assert HOST_BOUNDARIES not in static   # §9: a compiled graph reads shapes only
+    for key in plain.keys() - {CU_SEQ_LENS_Q, CU_SEQ_LENS_K, "max_length_q", "max_length_k", NUM_PAD_TOKENS,
+                               HOST_BOUNDARIES}:
         assert torch.equal(static[key], plain[key]), key
     assert int(static[NUM_PAD_TOKENS]) == plain.get(NUM_PAD_TOKENS, 0)
     read, expected = PackedBoundaries.from_batch(static), PackedBoundaries.from_batch(plain)

@@ -22,6 +22,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 CONTINUED = "continued"
 BLOCK_TIMEOUT_S = 120
+DOC_SITE = ROOT / "tests" / "support" / "doc_site"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,9 @@ def test_a_continued_block_joins_the_one_before(tmp_path):
 def test_doc_block_runs_as_written(program: DocProgram, tmp_path: Path):
     script = tmp_path / "block.py"
     script.write_text(program.code)
-    # The package under test first on the path; one torch thread, as every test worker runs.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    # The package under test first on the path, and transformers' families on their torch path as the programs
+    # would run their kernels on a GPU (tests/support/doc_site); one torch thread, as every test worker runs.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DOC_SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=BLOCK_TIMEOUT_S, check=False)

@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.distributed import distributed
+from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
-from hybrid_pack.ops.dispatch.selector import select, verdict_for, verification_enabled
+from hybrid_pack.ops.dispatch.selector import local_verdict, resolve, verdict_key, verification_enabled
 from hybrid_pack.ops.dispatch.status import default_device
 from hybrid_pack.ops.dispatch.verdicts import cache_dir, device_name
 
@@ -27,7 +28,9 @@ def _status(op: str, name: str, chosen: str, device: torch.device, dtype: torch.
     signature = contract_of(op).default_signature(dtype, device.type)
     if name != chosen and backend.priority < next(b.priority for b in backends_of(op) if b.name == chosen):
         return "ok (lower priority; not checked)"
-    verdict = verdict_for(backend, signature, device, dtype, True)
+    verdict = verdicts.SETTLED.get(verdict_key(backend, signature, device, True))
+    if verdict is None and not distributed():
+        verdict = local_verdict(backend, signature, device, True)
     if verdict is None or not verdict.ok:
         return f"no: {verdict.reason if verdict is not None else 'not checked'}"
     return f"CHOSEN (self-check passed: max error {verdict.max_error:.1e}, {verdict.seconds:.2f} s)"
@@ -53,7 +56,7 @@ def _report(device: torch.device, dtype: torch.dtype) -> str:
     header = f"{'op':<12} {'backend':<14} {'boundaries via':<22} status"
     lines += [header, "-" * len(header)]
     for op in registered_ops():
-        chosen = select(op, device=device, dtype=dtype, requires_grad=True)
+        chosen = resolve(op, device=device, dtype=dtype, requires_grad=True, strict=False).name
         for backend in backends_of(op):
             lines.append(f"{op:<12} {backend.name:<14} {backend.boundary_arg:<22} "
                          f"{_status(op, backend.name, chosen, device, dtype)}")

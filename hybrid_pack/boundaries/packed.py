@@ -20,10 +20,12 @@ import torch
 from hybrid_pack.boundaries.arrays import boundary_arrays
 from hybrid_pack.boundaries.buckets import BucketLayout, build_bucket_layout
 from hybrid_pack.boundaries.chunks import ChunkLayout, build_chunk_layout, build_kernel_chunk_index
+from hybrid_pack.boundaries.host import HostBoundaries
 from hybrid_pack.errors import BoundaryError
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    HOST_BOUNDARIES,
     INPUT_IDS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
@@ -268,7 +270,13 @@ class PackedBoundaries:
     def from_batch(cls, batch: Mapping[str, Any]) -> PackedBoundaries:
         """From a :class:`~hybrid_pack.PackingCollator` output (or any dict with the same keys).
 
-        Uses ``cu_seq_lens_q`` if present, else ``seq_idx``, else ``position_ids``, and checks that
+        With ``host_boundaries`` (the collator's :class:`~hybrid_pack.boundaries.host.HostBoundaries`) no tensor
+        value is read, wherever the tensors are (docs/api.md §9b): the segment lengths are the host entry's and
+        ``cu_seq_lens_q``, ``seq_idx`` and ``position_ids`` are the batch's tensors as they are (built on their
+        device from the lengths when absent, or when ``position_ids`` are 3-D); only shapes and the Python ints
+        ``max_length_q/k``, ``num_pad_tokens`` and ``input_ids``' length are checked against it.
+
+        Without it, uses ``cu_seq_lens_q`` if present, else ``seq_idx``, else ``position_ids``, and checks that
         every other boundary key present on the host agrees. 3-D ``position_ids`` (a vision-language model's
         M-RoPE ids, ``[3, 1, T]``) are not boundaries: they are skipped, and another key must be given.
         ``num_pad_tokens`` is read when present.
@@ -277,6 +285,8 @@ class PackedBoundaries:
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         NumPy arrays (``return_tensors="np"``) are read like CPU tensors.
         """
+        if batch.get(HOST_BOUNDARIES) is not None:
+            return cls._from_host(batch[HOST_BOUNDARIES], batch)
         num_pad = int(batch.get(NUM_PAD_TOKENS, 0) or 0)
         if getattr(batch.get(POSITION_IDS), "ndim", 2) == 3:   # M-RoPE ids [3, 1, T] (§3b): not boundaries
             if batch.get(CU_SEQ_LENS_Q) is None and batch.get(SEQ_IDX) is None:
@@ -314,6 +324,44 @@ class PackedBoundaries:
             raise BoundaryError(f"{INPUT_IDS}: expected {out.total_tokens} tokens (the total of {key!r}); "
                                 f"got shape {list(ids.shape)}")
         return out
+
+    @classmethod
+    def _from_host(cls, host: Any, batch: Mapping[str, Any]) -> PackedBoundaries:
+        """:meth:`from_batch` of a batch carrying ``host_boundaries``: shapes checked, no value read."""
+        if not isinstance(host, HostBoundaries):
+            raise BoundaryError(f"{HOST_BOUNDARIES}: expected the hybrid_pack.boundaries.host.HostBoundaries "
+                                f"PackingCollator puts there; got {type(host).__name__} (drop the key, or collate "
+                                "with PackingCollator)")
+        t, s = host.total_tokens, host.num_segments
+        tensors = {key: batch.get(key) for key in (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, SEQ_IDX, POSITION_IDS, INPUT_IDS)}
+        tensors = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+                   for key, value in tensors.items() if value is not None}
+        expected = {CU_SEQ_LENS_Q: (s + 1,), CU_SEQ_LENS_K: (s + 1,), SEQ_IDX: (1, t), POSITION_IDS: (1, t),
+                    INPUT_IDS: (1, t)}
+        if getattr(tensors.get(POSITION_IDS), "ndim", 2) == 3:   # M-RoPE ids [3, 1, T] (§3b): not boundaries
+            expected[POSITION_IDS] = (3, 1, t)
+        for key, value in tensors.items():
+            if tuple(value.shape) != expected[key]:
+                raise BoundaryError(f"{key}: expected shape {list(expected[key])} (the {s} segments of {t} tokens "
+                                    f"{HOST_BOUNDARIES!r} describes); got {list(value.shape)}. {HOST_BOUNDARIES} "
+                                    f"holds only for the tensors it was collated with: drop it from a batch whose "
+                                    f"tokens or boundary keys were cut or edited")
+        for key, value in ((MAX_LENGTH_Q, host.max_seqlen), (MAX_LENGTH_K, host.max_seqlen),
+                           (NUM_PAD_TOKENS, host.num_pad_tokens)):
+            given = batch.get(key)
+            if isinstance(given, int) and given != value:
+                raise BoundaryError(f"{key}: expected {value} (from {HOST_BOUNDARIES!r}); got {given}. Drop "
+                                    f"{HOST_BOUNDARIES} from a batch whose boundary keys were edited")
+        cu_seqlens, seq_idx, position_ids = (tensors.get(key) for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS))
+        if cu_seqlens is None or seq_idx is None or position_ids is None or position_ids.ndim == 3:
+            device = next(iter(tensors.values())).device if tensors else None
+            return cls.from_lengths(host.segment_lengths, device, num_pad_tokens=host.num_pad_tokens)
+        return cls(cu_seqlens=cu_seqlens, seq_idx=seq_idx, position_ids=position_ids, max_seqlen=host.max_seqlen,
+                   segment_lengths=host.segment_lengths, num_pad_tokens=host.num_pad_tokens)
+
+    def host(self) -> HostBoundaries:
+        """These boundaries' segment lengths as Python ints: the batch's ``host_boundaries`` entry."""
+        return HostBoundaries(self.segment_lengths, self.num_pad_tokens)
 
     # ------------------------------------------------------------ conversion
     def to(self, device: torch.device | str) -> PackedBoundaries:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -27,7 +28,7 @@ from hybrid_pack.integrations.transformers.trainer import (
     check_batch_invariant,
 )
 from hybrid_pack.integrations.trl_grpo import refuse_untested_trl
-from hybrid_pack.schema import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_PAD_TOKENS
+from hybrid_pack.schema import ATTENTION_MASK, HOST_BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_PAD_TOKENS
 
 try:
     import accelerate  # noqa: F401  (imported first: trl's lazy imports would wrap a missing one in a RuntimeError)
@@ -39,6 +40,19 @@ __all__ = ["PackedDPOTrainer", "PackedFusedCalls"]
 
 FUSED_LM_HEAD = "fused_lm_head"
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _right_padded_lengths(mask: torch.Tensor) -> list[int]:
+    """Each row's real tokens, in one device-to-host copy (the call's only read of a tensor value); a row with a
+    real token after padding (not TRL's right padding) raises."""
+    keep = mask.bool()
+    lengths = keep.sum(1)
+    misplaced = (keep != (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).any(1)
+    lengths, misplaced = torch.stack([lengths, misplaced.long()]).tolist()
+    if any(misplaced):
+        raise InputError(f"{ATTENTION_MASK}: expected right padding (TRL's DPO collator pads right); row "
+                         f"{misplaced.index(1)} has a real token after padding")
+    return lengths
 
 
 class PackedFusedCalls:
@@ -53,7 +67,7 @@ class PackedFusedCalls:
     """
 
     def __init__(self, model: torch.nn.Module, pack_length: int | None = None) -> None:
-        self._keep: torch.Tensor | None = None
+        self._layout: tuple[list[int], int] | None = None   # the packed call's sequence lengths and padded width
         self.pack_length = pack_length
         self.handles = [model.register_forward_pre_hook(self.before, with_kwargs=True),
                         model.register_forward_hook(self.after, with_kwargs=True, always_call=True)]
@@ -62,11 +76,7 @@ class PackedFusedCalls:
         mask, ids = kwargs.get(ATTENTION_MASK), kwargs.get(INPUT_IDS)
         if args or not kwargs.get(FUSED_LM_HEAD) or mask is None or ids is None or ids.dim() != 2:
             return None
-        keep = mask.bool()
-        if not (keep[:, 1:] <= keep[:, :-1]).all():
-            raise InputError(f"{ATTENTION_MASK}: expected right padding (TRL's DPO collator pads right); a row has a "
-                             "real token after padding")
-        lengths = keep.sum(1).tolist()
+        lengths = _right_padded_lengths(mask)   # the call's one read (docs/api.md §9b)
         real = sum(lengths)
         pad = 0 if self.pack_length is None else self.pack_length - real
         if pad < 0:
@@ -75,27 +85,35 @@ class PackedFusedCalls:
                              "2 * per_device_train_batch_size * max_length")
         boundaries = PackedBoundaries.from_document_lengths([n for n in lengths if n], num_pad_tokens=pad,
                                                             device=ids.device)
-        labels = torch.cat([kwargs[LABELS][keep], kwargs[LABELS].new_full((pad,), IGNORE_INDEX)])[None]
-        labels[0, boundaries.cu_seqlens[:-1].long()] = IGNORE_INDEX   # a sequence's first token is never a target
-        self._keep = keep
+        width = ids.shape[1]
+        index = torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lengths)]).to(ids.device)
+        first = torch.tensor(boundaries.starts[:boundaries.num_docs], device=ids.device)
+        labels = torch.cat([kwargs[LABELS].reshape(-1)[index], kwargs[LABELS].new_full((pad,), IGNORE_INDEX)])[None]
+        labels[0, first] = IGNORE_INDEX   # a sequence's first token is never a target
+        self._layout = (lengths, width)
         rest = {key: value for key, value in kwargs.items() if key not in (INPUT_IDS, ATTENTION_MASK, LABELS)}
-        row = torch.cat([ids[keep], ids.new_zeros(pad)])[None]
+        row = torch.cat([ids.reshape(-1)[index], ids.new_zeros(pad)])[None]
         return (), {**rest, INPUT_IDS: row, LABELS: labels, **boundaries.hf_kwargs(),
-                    **({NUM_PAD_TOKENS: pad} if pad else {})}
+                    HOST_BOUNDARIES: boundaries.host(), **({NUM_PAD_TOKENS: pad} if pad else {})}
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        keep, self._keep = self._keep, None
-        if keep is None or output is None:
+        layout, self._layout = self._layout, None
+        if layout is None or output is None:
             return None
-        source = (keep.flatten().cumsum(0) - 1).view_as(keep)[:, :-1]   # packed position of each padded token
-        pair = keep[:, :-1] & keep[:, 1:]                                # a real token followed by a real one
+        lengths, width = layout
+        # TRL's [N, T - 1] field at (b, j) scores token j + 1 of sequence b: the packed [1, R - 1] field at the
+        # sequence's start + j, for every j < length - 1 (a real token followed by a real one); 0 elsewhere.
+        starts = np.cumsum([0, *lengths[:-1]])
+        source = torch.cat([torch.arange(start, start + n - 1) for start, n in zip(starts.tolist(), lengths) if n])
+        target = torch.cat([torch.arange(b * (width - 1), b * (width - 1) + n - 1)
+                            for b, n in enumerate(lengths) if n])
         fields = {}
         for name in _PER_TOKEN:
             packed = getattr(output, name, None)
             if packed is not None:
-                padded = packed.new_zeros(pair.shape)
-                padded[pair] = packed[0, source[pair]]
-                fields[name] = padded
+                padded = packed.new_zeros(len(lengths) * (width - 1))
+                padded[target.to(packed.device)] = packed[0, source.to(packed.device)]
+                fields[name] = padded.view(len(lengths), width - 1)
         return dataclasses.replace(output, **fields)
 
     def remove(self) -> None:

@@ -45,6 +45,7 @@ from hybrid_pack.packing.rollouts import pack_rollouts
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    HOST_BOUNDARIES,
     IGNORE_INDEX,
     INPUT_IDS,
     LABELS,
@@ -77,9 +78,10 @@ _EXPECTED_PARAMETERS = ("self", "model", "input_ids", "attention_mask", "logits_
                         "compute_entropy", "compute_aux_loss")
 """The leading parameters of TRL 1.16's method, in order (the rest are multimodal inputs, refused here)."""
 
-_MODEL_KEYS = (INPUT_IDS, POSITION_IDS, SEQ_IDX, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K,
-               NUM_PAD_TOKENS)
-"""The keys of a :func:`pack_rollouts` batch that the patched model takes (the RL fields stay out)."""
+_MODEL_KEYS = (POSITION_IDS, SEQ_IDX, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, NUM_PAD_TOKENS,
+               HOST_BOUNDARIES)
+"""The keys of a :func:`pack_rollouts` batch that the patched model takes besides its tokens (the RL fields stay
+out; ``host_boundaries``: the model reads no boundary tensor, docs/api.md §9b)."""
 
 
 def refuse_untested_trl(trainer: str, relies_on: str) -> None:
@@ -145,14 +147,38 @@ def _load_balancing_loss(hf_model: torch.nn.Module, router_logits: tuple[torch.T
 
 @dataclasses.dataclass
 class _PackedChunk:
-    """One TRL chunk of ``size`` sequences on packed rows: each row's model inputs (on the CPU), the positions of
-    the fused head's output to read (``reads``: ``t - 1`` for token ``t``, the head shifts the labels) and where
-    each read goes in the chunk's flat ``[size * logits_to_keep]`` layout (``targets``). No row: no real token."""
+    """One TRL chunk of ``size`` sequences on packed rows, formed on the host from the sequences' lengths: each
+    row's boundary keys (``rows``), where each of its tokens is in the chunk's flat ``[size * width]`` ids
+    (``tokens``, -1 on padding) and which are scored (``scored``), the positions of the fused head's output to read
+    (``reads``: ``t - 1`` for token ``t``, the head shifts the labels) and where each read goes in the chunk's flat
+    ``[size * logits_to_keep]`` layout (``targets``). No row: no real token."""
 
     size: int
     rows: list[dict[str, Any]]
+    tokens: list[torch.Tensor]
+    scored: list[torch.Tensor]
     reads: list[torch.Tensor]
     targets: list[torch.Tensor]
+
+
+def _real_lengths(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[list[int], list[int]]:
+    """Each sequence's real prompt and completion token counts, in one device-to-host copy: the log-probability
+    call's only read of a tensor value, made before its forwards (docs/api.md §9b). TRL left-pads the prompts and
+    right-pads the completions (a masked completion has none), so the counts say where every real token is; a mask
+    of any other shape raises."""
+    mask = attention_mask.bool()
+    prompt_width = mask.shape[1] - logits_to_keep
+    prompt, completion = mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1)
+    columns = torch.arange(max(prompt_width, logits_to_keep), device=mask.device)
+    expected = torch.cat([columns[:prompt_width] >= prompt_width - prompt[:, None],
+                          columns[:logits_to_keep] < completion[:, None]], dim=1)
+    misplaced = (mask != expected).any(1)
+    prompt, completion, misplaced = torch.stack([prompt, completion, misplaced.long()]).tolist()
+    if any(misplaced):
+        raise InputError(f"attention_mask: expected TRL's layout, prompts left-padded and completions right-padded; "
+                         f"sequence {misplaced.index(1)} has a real token after padding or padding between real "
+                         f"tokens")
+    return prompt, completion
 
 
 def _agreed_row_count(local: int) -> int:
@@ -169,7 +195,8 @@ def _padding_row(token_id: int, length: int = 2) -> dict[str, Any]:
     labels[0, 1] = token_id
     boundaries = PackedBoundaries.from_document_lengths([2], num_pad_tokens=length - 2)
     return {INPUT_IDS: torch.full((1, length), token_id, dtype=torch.long), LABELS: labels,
-            **boundaries.hf_kwargs(), **({NUM_PAD_TOKENS: length - 2} if length > 2 else {})}
+            **boundaries.hf_kwargs(), HOST_BOUNDARIES: boundaries.host(),
+            **({NUM_PAD_TOKENS: length - 2} if length > 2 else {})}
 
 
 class PackedLogProbs:
@@ -235,14 +262,17 @@ class PackedLogProbs:
             # generations, for the old policy's and the reference's log-probabilities) packed into rows of
             # packing_capacity tokens. A MoE auxiliary loss keeps TRL's chunks, over which TRL averages it.
             batch_size = input_ids.size(0)
-        chunks = [self._pack_chunk(input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
-                                   logits_to_keep) for start in range(0, input_ids.size(0), batch_size)]
+        prompt_lengths, completion_lengths = _real_lengths(attention_mask, logits_to_keep)
+        starts = range(0, input_ids.size(0), batch_size)
+        chunks = [self._pack_chunk(prompt_lengths[start:start + batch_size],
+                                   completion_lengths[start:start + batch_size], input_ids.size(1), logits_to_keep)
+                  for start in starts]
         local_rows = sum(len(chunk.rows) for chunk in chunks)
         padding_rows = _agreed_row_count(local_rows) - local_rows    # agreed before any forward
         all_logps, all_entropies, all_aux_losses = [], [], []
-        for chunk in chunks:
-            logps, entropies, aux_loss = self._score_chunk(model, chunk, input_ids.device, logits_to_keep,
-                                                           compute_entropy, compute_aux_loss)
+        for start, chunk in zip(starts, chunks, strict=True):
+            logps, entropies, aux_loss = self._score_chunk(model, chunk, input_ids[start:start + batch_size],
+                                                           logits_to_keep, compute_entropy, compute_aux_loss)
             all_logps.append(logps)
             all_entropies.append(entropies)
             all_aux_losses.append(aux_loss)
@@ -253,19 +283,19 @@ class PackedLogProbs:
         aux_loss = torch.stack(all_aux_losses).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
 
-    def _pack_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def _pack_chunk(self, prompt_lengths: list[int], completion_lengths: list[int], width: int,
                     logits_to_keep: int) -> _PackedChunk:
-        """One TRL chunk, stripped of its padding and packed (host work only: no forward, no collective)."""
-        rows, width = input_ids.shape
+        """One TRL chunk packed from its sequences' real lengths (host work only: no tensor read, no forward, no
+        collective). A token is named by its index in the chunk's flat ``[rows * width]`` ids, which
+        :meth:`_score_chunk` gathers on the device."""
         prompt_width = width - logits_to_keep
-        ids, real = input_ids.detach().cpu(), attention_mask.detach().cpu().bool()
-        prompts, responses, samples, columns, scored_counts = [], [], [], [], []
-        for b in range(rows):
-            prompt = ids[b, :prompt_width][real[b, :prompt_width]]
-            completion_columns = real[b, prompt_width:].nonzero().flatten()
-            completion = ids[b, prompt_width:][completion_columns]
-            if completion.numel() == 0:
-                if prompt.numel() == 0:
+        prompts, responses, samples, scored_counts = [], [], [], []
+        for b, (prompt_length, completion_length) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
+            first = b * width + prompt_width      # the flat index of the sequence's first completion column
+            prompt = torch.arange(first - prompt_length, first)
+            completion = torch.arange(first, first + completion_length)
+            if completion_length == 0:
+                if prompt_length == 0:
                     continue            # no real token: nothing to score, nothing for the MoE auxiliary loss
                 # A masked completion (truncated with mask_truncated_completions): TRL still runs its prompt,
                 # which counts in the MoE auxiliary loss. pack_rollouts wants a response: lend it the last prompt
@@ -274,9 +304,8 @@ class PackedLogProbs:
             prompts.append(prompt)
             responses.append(completion)
             samples.append(b)
-            columns.append(completion_columns)
-            scored_counts.append(completion_columns.numel())
-        chunk = _PackedChunk(size=rows, rows=[], reads=[], targets=[])
+            scored_counts.append(completion_length)
+        chunk = _PackedChunk(size=len(prompt_lengths), rows=[], tokens=[], scored=[], reads=[], targets=[])
         if not samples:
             return chunk
 
@@ -288,24 +317,21 @@ class PackedLogProbs:
                              f"prompt + completion tokens, more than packing_capacity={capacity}; raise "
                              "packing_capacity to at least max_prompt_length + max_completion_length")
         sample_rows = torch.tensor(samples, dtype=torch.long)
-        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        packed_prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         counts = torch.tensor(scored_counts, dtype=torch.long)
-        column_offsets = torch.cumsum(torch.cat([counts.new_zeros(1), counts[:-1]]), 0)
-        flat_columns = torch.cat(columns).long()
         for batch, sample in self._packs(prompts, responses, lengths, capacity):
             local = sample.clamp(min=0)
             positions = batch[POSITION_IDS][0].long()
             # Score exactly the real completion tokens (never a document's first token: no cross-document
             # target), as TRL's labels do.
-            offset = positions - prompt_lengths[local]
-            scored = (sample >= 0) & (batch[RESPONSE_MASK][0] == 1) & (positions > 0) & (offset < counts[local])
+            column = positions - packed_prompt_lengths[local]
+            scored = (sample >= 0) & (batch[RESPONSE_MASK][0] == 1) & (positions > 0) & (column < counts[local])
             where = scored.nonzero().flatten()
-            local_scored = local[where]
-            column = flat_columns[column_offsets[local_scored] + offset[where]]
-            chunk.targets.append(sample_rows[local_scored] * logits_to_keep + column)
+            chunk.targets.append(sample_rows[local[where]] * logits_to_keep + column[where])
             chunk.reads.append(where - 1)
-            chunk.rows.append({**{key: value for key, value in batch.items() if key in _MODEL_KEYS},
-                               LABELS: torch.where(scored, batch[INPUT_IDS][0], IGNORE_INDEX).unsqueeze(0)})
+            chunk.tokens.append(torch.where(sample >= 0, batch[INPUT_IDS][0], -1))
+            chunk.scored.append(scored)
+            chunk.rows.append({key: value for key, value in batch.items() if key in _MODEL_KEYS})
         return chunk
 
     def _packs(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], lengths: list[int], capacity: int,
@@ -318,17 +344,19 @@ class PackedLogProbs:
         plan = plan_packs(lengths, capacity, max_documents=self.max_documents)
         rows = []
         for first, last in zip(plan.pack_offsets[:-1].tolist(), plan.pack_offsets[1:].tolist(), strict=True):
-            members = torch.as_tensor(plan.example_index[first:last], dtype=torch.long)
-            (batch,) = pack_rollouts([prompts[i] for i in members.tolist()], [responses[i] for i in members.tolist()],
+            members = plan.example_index[first:last].tolist()
+            (batch,) = pack_rollouts([prompts[i] for i in members], [responses[i] for i in members],
                                      capacity, pad_to_multiple_of=capacity if self.batch_invariant else None)
             local = batch[SAMPLE_INDEX][0]
-            rows.append((batch, torch.where(local >= 0, members[local.clamp(min=0)], -1)))
+            rows.append((batch, torch.where(local >= 0, torch.tensor(members)[local.clamp(min=0)], -1)))
         return rows
 
-    def _score_chunk(self, model: torch.nn.Module, chunk: _PackedChunk, device: torch.device, logits_to_keep: int,
+    def _score_chunk(self, model: torch.nn.Module, chunk: _PackedChunk, input_ids: torch.Tensor, logits_to_keep: int,
                      compute_entropy: bool, compute_aux_loss: bool,
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Run the fused LM head on each row of ``chunk``; its values scattered back to TRL's ``[size, C]``."""
+        """Run the fused LM head on each row of ``chunk`` (its tokens gathered from the chunk's ``input_ids`` on
+        their device); its values scattered back to TRL's ``[size, C]``."""
+        device = input_ids.device
         if not chunk.rows:
             return self._empty(chunk.size, logits_to_keep, device, compute_entropy, compute_aux_loss)
         hf_model = _hf_model(model, self.accelerator)
@@ -337,7 +365,11 @@ class PackedLogProbs:
                 if compute_aux_loss else None)
         logps, entropies = [], []
         try:
-            for row, read in zip(chunk.rows, chunk.reads, strict=True):
+            flat_ids = input_ids.reshape(-1)
+            for row, tokens, scored, read in zip(chunk.rows, chunk.tokens, chunk.scored, chunk.reads, strict=True):
+                tokens, scored = tokens.to(device), scored.to(device)
+                ids = torch.where(tokens >= 0, flat_ids[tokens.clamp(min=0)], 0)   # the padding token: 0
+                row = {**row, INPUT_IDS: ids[None], LABELS: torch.where(scored, ids, IGNORE_INDEX)[None]}
                 outputs = self._fused_forward(model, row, device, output_router_logits=compute_aux_loss)
                 if compute_aux_loss and row.get(NUM_PAD_TOKENS):   # a static row: its padding is not TRL's batch
                     real = row[INPUT_IDS].shape[1] - row[NUM_PAD_TOKENS]

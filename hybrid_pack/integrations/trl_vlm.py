@@ -96,5 +96,5 @@ def vision_packing_collator(model: Any, collator: PackingCollator | None) -> Pac
     if rule is not None and collator.position_ids_fn is None:
         raise InputError(f"data_collator: {rule.model_class.__name__} numbers its tokens with M-RoPE; pass "
                          "PackingCollator(position_ids_fn=mrope_position_ids(model), ...) (from "
-                         "hybrid_pack.integrations.transformers.mrope), or leave data_collator unset")
+                         "hybrid_pack.mrope), or leave data_collator unset")
     return collator

@@ -20,10 +20,18 @@ from hybrid_pack.isolation.layouts import (
     selfcheck_layout,
     short_document_layout,
 )
-from hybrid_pack.isolation.tolerance import GRADIENT_FACTOR, TOLERANCE, least_precise, tolerance_for
+from hybrid_pack.isolation.tolerance import (
+    GRADIENT_FACTOR,
+    SELF_CHECK_TOLERANCE,
+    TOLERANCE,
+    least_precise,
+    self_check_tolerance,
+    tolerance_for,
+)
 from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 
-__all__ = ["TOLERANCE", "GRADIENT_FACTOR", "least_precise", "tolerance_for",
+__all__ = ["TOLERANCE", "SELF_CHECK_TOLERANCE", "GRADIENT_FACTOR", "least_precise", "tolerance_for",
+           "self_check_tolerance",
            "Mismatch", "relative_error", "compare", "leaked_gradient", "assert_gradient_inside",
            "Layout", "adversarial_layouts", "model_geometry", "selfcheck_layout", "adversarial_cp_row",
            "REAL_TOKENS", "real_size_layout", "short_document_layout", "one_document_layout",

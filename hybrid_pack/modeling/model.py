@@ -1,7 +1,8 @@
 """The hybrid causal LM: pre-norm decoder layers whose mixer is Gated DeltaNet, Mamba-2 or attention.
 
 Every token-mixing op takes the row's :class:`~hybrid_pack.PackedBoundaries`, built once per
-forward from the batch keys the :class:`~hybrid_pack.PackingCollator` emits, so a packed row of
+forward from the batch keys the :class:`~hybrid_pack.PackingCollator` emits (from its ``host_boundaries`` and the
+boundary tensors as they are, reading no tensor value: docs/api.md §9b), so a packed row of
 documents gives each document the logits (and gradients) it would get alone. A context-parallel shard's
 :class:`~hybrid_pack.parallel.ShardedBoundaries` go to the same ops, each of which has a context-parallel
 path, and RoPE reads their ``document_positions`` (counted from the document's start on earlier ranks).
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.host import HostBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.boundaries.targets import shift_labels as shifted_targets
@@ -37,6 +39,7 @@ from hybrid_pack.ops.validate import local_boundaries
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    HOST_BOUNDARIES,
     INPUT_IDS,
     INPUTS_EMBEDS,
     MAX_LENGTH_K,
@@ -144,7 +147,7 @@ def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoun
     Inside ``torch.compile`` they are :class:`StaticBoundaries` (tensors only, nothing read from them), so one
     graph serves every batch of the same shapes (the static batches of docs/api.md §9).
     """
-    if all(batch.get(key) is None for key in PRIMARY_BOUNDARY_KEYS):
+    if all(batch.get(key) is None for key in (*PRIMARY_BOUNDARY_KEYS, HOST_BOUNDARIES)):
         given = [key for key in SECONDARY_BOUNDARY_KEYS if batch.get(key) is not None]
         given = [key for key in given if not (key == NUM_PAD_TOKENS and batch[key] == 0)]
         if given:
@@ -156,7 +159,7 @@ def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoun
                             f"got {rows} rows together with boundary keys")
     if torch.compiler.is_compiling():
         return StaticBoundaries.from_batch(batch)
-    return PackedBoundaries.from_batch(batch)
+    return PackedBoundaries.from_batch(batch)   # with the collator's HOST_BOUNDARIES: no value read (§9b)
 
 
 class HybridForCausalLM(nn.Module):
@@ -207,6 +210,7 @@ class HybridForCausalLM(nn.Module):
                 cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
                 max_length_q: int | None = None, max_length_k: int | None = None,
                 num_pad_tokens: int | None = None, inputs_embeds: torch.Tensor | None = None, *,
+                host_boundaries: HostBoundaries | None = None,
                 boundaries: PackedBoundaries | ShardedBoundaries | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None,
@@ -221,6 +225,9 @@ class HybridForCausalLM(nn.Module):
                 (through the logits when the head is not a plain bias-free ``nn.Linear``).
             position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, num_pad_tokens:
                 the collator's boundary keys; any subset that agrees is fine.
+            host_boundaries: the collator's segment lengths as Python ints: with it the boundaries are built from
+                them and the boundary tensors as they are, reading no tensor value (docs/api.md §9b); without it
+                they are read from the tensors (a device-to-host copy when those are on an accelerator).
             inputs_embeds: ``[1, T, hidden]`` instead of ``input_ids`` (e.g. to take gradients w.r.t. them).
             boundaries: a ready :class:`~hybrid_pack.PackedBoundaries` instead of the keys (a
                 :class:`~hybrid_pack.parallel.ShardedBoundaries`: this rank's part of a context-parallel row).
@@ -253,7 +260,7 @@ class HybridForCausalLM(nn.Module):
                                  "keys (cu_seq_lens_q, seq_idx, position_ids, ...)")
             batch = {POSITION_IDS: position_ids, SEQ_IDX: seq_idx, CU_SEQ_LENS_Q: cu_seq_lens_q,
                      CU_SEQ_LENS_K: cu_seq_lens_k, MAX_LENGTH_Q: max_length_q, MAX_LENGTH_K: max_length_k,
-                     NUM_PAD_TOKENS: num_pad_tokens}
+                     NUM_PAD_TOKENS: num_pad_tokens, HOST_BOUNDARIES: host_boundaries}
             boundaries = _boundaries_for(batch, rows, tokens)
         here = local_boundaries(boundaries)  # a context-parallel shard: this rank's tokens
         if here.total_tokens != rows * tokens:

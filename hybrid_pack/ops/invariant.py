@@ -1,15 +1,24 @@
 """Batch-invariant packing: every document's outputs bitwise independent of its row-mates (docs/api.md §7d).
 
-Inside :func:`batch_invariant`, every sequence-mixing op computes each segment of a row in its canonical form: the
-segment's ``L`` tokens gathered to the front of a zero-filled row of :func:`canonical_length` ``(L)`` tokens (``L``
-rounded up to a multiple of :data:`CANONICAL_MULTIPLE`), the op's pure-torch backend run on that row (the segment,
-then one padding segment), and the segment's outputs scattered back. That call's inputs are the segment's own
-tokens and zeros, its shape a function of ``L`` alone, so its outputs are the same bits wherever the segment sits,
-whatever it is packed with and whatever the row's length, and equal to the segment alone. Token-wise layers
-(linears, norms, MLPs, the output head) need nothing on a row of fixed length: the rows of a CPU GEMM do not
-depend on their neighbours (tests/test_batch_invariant.py checks it); MoE experts need transformers'
-``batched_mm`` (the trainers set it). The cost is one op call per segment instead of one per row, each over
-about its own length.
+Inside :func:`batch_invariant`, every sequence-mixing op runs on its pure-torch backend, whose arithmetic on one
+segment is the same whatever else the row holds:
+
+- the chunked scans (``gated_delta``, ``kda``, ``decay_linear_attention``, ``ssd``) cut every segment into chunks
+  that start at its first token (:meth:`PackedBoundaries.chunk_layout`) and compute each chunk, and each segment's
+  step of the scan over chunks, as one member of a batched product; ``selective_scan`` steps token by token;
+  ``conv`` masks its taps per token. A batched product's member does not depend on the batch's size or on the
+  member's place in it (tests/test_batch_invariant.py checks it), so these run once on the whole row, as outside
+  the mode;
+- ``attention`` batches segments into padded buckets; outside the mode a bucket's length (the padded key length,
+  which sets the softmax's reduction) is its longest member's, so it depends on the row-mates. Inside the mode
+  every segment of ``L`` tokens runs in a bucket of :func:`canonical_length` ``(L)`` (``L`` rounded up to a
+  multiple of :data:`CANONICAL_MULTIPLE`), its own row of the batch of all the row's segments of that canonical
+  length (:func:`canonical_buckets`): its inputs are its own tokens and zeros, its shape a function of ``L``.
+
+Token-wise layers (linears, norms, MLPs, the output head) need nothing on a row of fixed length: the rows of a
+CPU GEMM do not depend on their neighbours (checked by the same tests); MoE experts need transformers'
+``batched_mm`` (the trainers set it). The mode costs what the canonical attention buckets add: padding every
+segment to a multiple of 64 tokens.
 
 The mode is a context variable: it holds for the thread (or task) that entered it, never for another.
 """
@@ -21,34 +30,23 @@ from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.buckets import Bucket, BucketLayout
 from hybrid_pack.errors import UnsupportedModelError
+from hybrid_pack.ops.compiler import assume_constant_result
 
 __all__ = ["batch_invariant", "is_batch_invariant", "refuse_in_batch_invariant_mode", "per_document",
-           "canonical_length", "CANONICAL_MULTIPLE", "SEQUENCE_MIXING"]
+           "canonical_buckets", "canonical_length", "CANONICAL_MULTIPLE", "SEQUENCE_MIXING"]
 
 _active: ContextVar[bool] = ContextVar("hybrid_pack_batch_invariant", default=False)
 
-# op -> its per-token arguments ([1, T, ...]); every other argument is per row (weights) or per document (states).
-SEQUENCE_MIXING: Mapping[str, tuple[str, ...]] = {
-    "attention": ("q", "k", "v"),
-    "conv": ("x",),
-    "gated_delta": ("q", "k", "v", "g", "beta"),
-    "kda": ("q", "k", "v", "g", "beta"),
-    "decay_linear_attention": ("q", "k", "v", "g"),
-    "ssd": ("x", "dt", "B", "C", "z"),
-    "selective_scan": ("x", "dt", "B", "C", "z"),
-}
-
-# op -> (its initial-state argument [N, ...], the flag asking for final states [N, ...] as the second output).
-_STATES: Mapping[str, tuple[str, str]] = {
-    "gated_delta": ("initial_state", "output_final_state"),
-    "kda": ("initial_state", "output_final_state"),
-    "decay_linear_attention": ("initial_state", "output_final_state"),
-    "ssd": ("initial_states", "return_final_states"),
-}
+SEQUENCE_MIXING = frozenset({"attention", "conv", "gated_delta", "kda", "decay_linear_attention", "ssd",
+                             "selective_scan"})
+"""The ops that mix tokens along the row: inside the mode they run on their pure-torch backends
+(:func:`per_document`)."""
 
 
 @contextlib.contextmanager
@@ -56,7 +54,7 @@ def batch_invariant() -> Iterator[None]:
     """Inside the block, packed rows of a fixed length give every sequence bitwise the same outputs whatever it
     is packed with and wherever it sits, equal to the sequence alone in a row of that length.
 
-    Sequence-mixing ops run on their pure-torch backends, one canonical call per segment (module docstring);
+    Sequence-mixing ops run on their pure-torch backends, attention in canonical buckets (module docstring);
     rows split across a context-parallel group and compiled static rows are refused (:class:`InputError`).
     """
     token = _active.set(True)
@@ -75,7 +73,7 @@ def is_batch_invariant() -> bool:
     return _active.get()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result  # hybrid_pack.ops.compiler: torch._dynamo is not imported with the ops
 def _traced_flag() -> bool:
     return _active.get()
 
@@ -90,70 +88,60 @@ def refuse_in_batch_invariant_mode(layer: str, kind: str) -> None:
 
 
 CANONICAL_MULTIPLE = 64
-"""A segment's canonical row is its length rounded up to a multiple of this (every chunked op's grid then starts at
-the segment's first token, and the row's shape depends on the segment alone)."""
+"""A segment's canonical attention bucket is its length rounded up to a multiple of this (the bucket's shape then
+depends on the segment alone)."""
 
 
 def canonical_length(length: int) -> int:
-    """The length of the canonical row of a segment of ``length`` tokens."""
+    """The length of the canonical bucket of a segment of ``length`` tokens."""
     return -(-length // CANONICAL_MULTIPLE) * CANONICAL_MULTIPLE
 
 
-def _canonical_rows(boundaries: PackedBoundaries) -> list[PackedBoundaries]:
-    """For every segment of the row, the boundaries of its canonical row: the segment, then padding up to
-    :func:`canonical_length`."""
+def canonical_buckets(boundaries: PackedBoundaries) -> BucketLayout:
+    """The row's segments (the padding segment included) in canonical attention buckets: one bucket per canonical
+    length, holding every segment of that :func:`canonical_length` in row order, each right-padded with zeros;
+    ``key_padding`` is always given, so a non-causal segment runs the same masked kernel whatever its row-mates.
+    Built on the host once per boundaries object (every attention layer of a forward shares it)."""
 
-    def build() -> list[PackedBoundaries]:
-        return [PackedBoundaries.from_document_lengths([length], num_pad_tokens=canonical_length(length) - length,
-                                                       device=boundaries.device)
-                for length in boundaries.segment_lengths]
+    def build() -> BucketLayout:
+        lengths = np.asarray(boundaries.segment_lengths, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        canonical = -(-lengths // CANONICAL_MULTIPLE) * CANONICAL_MULTIPLE
+        slot_of_token = np.empty(int(lengths.sum()), dtype=np.int64)
+        buckets, first_slot = [], 0
+        for bucket_length in sorted({int(c) for c in canonical if c > 0}, reverse=True):
+            members = np.flatnonzero(canonical == bucket_length)
+            for row, segment in enumerate(members.tolist()):
+                row_slot = first_slot + row * bucket_length
+                slot_of_token[starts[segment]:starts[segment] + lengths[segment]] = np.arange(
+                    row_slot, row_slot + lengths[segment])
+            real = np.arange(bucket_length)[None, :] < lengths[members][:, None]
+            key_padding = torch.from_numpy(real).view(len(members), 1, 1, bucket_length)
+            buckets.append(Bucket(len(members), bucket_length, key_padding.to(boundaries.device, non_blocking=True)))
+            first_slot += len(members) * bucket_length
+        return BucketLayout(torch.from_numpy(slot_of_token).to(boundaries.device, non_blocking=True),
+                            tuple(buckets), first_slot)
 
-    return boundaries.view(("batch_invariant", "canonical_rows"), build)
-
-
-def _to_front(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """``x [1, T, ...]``: tokens ``start:start + length``, then zeros up to :func:`canonical_length`."""
-    piece = x[:, start:start + length]
-    return torch.cat([piece, piece.new_zeros(1, canonical_length(length) - length, *x.shape[2:])], dim=1)
+    return boundaries.view(("batch_invariant", "canonical_buckets"), build)
 
 
 def per_document(op: str, fn: Callable[..., Any], positional: tuple[str, ...], arguments: Mapping[str, Any],
                  boundaries: PackedBoundaries) -> Any:
-    """Run ``fn`` (a whole-row backend of ``op``) once per segment of the row, in the segment's canonical row.
+    """Run ``fn`` (``op``'s pure-torch backend) on the row so that every segment's outputs are computed as the
+    segment's alone: attention in :func:`canonical_buckets`, the other ops of :data:`SEQUENCE_MIXING` as they are
+    (module docstring).
 
     Args:
-        op: a key of :data:`SEQUENCE_MIXING`.
+        op: one of :data:`SEQUENCE_MIXING`.
         fn: ``fn(*positional tensors, boundaries, **keywords)``, as the route calls a backend.
         positional: the names passed before the boundaries.
         arguments: the call's arguments by name (per-token tensors ``[1, T, ...]``, states ``[N, ...]``).
         boundaries: the row.
 
     Returns:
-        What ``fn`` returns for the whole row: per-token outputs ``[1, T, ...]`` put together from the segments'
-        canonical calls, and the documents' final states ``[N, ...]`` when asked for.
+        What ``fn`` returns for the row.
     """
-    tokens = SEQUENCE_MIXING[op]
-    state_name, final_flag = _STATES.get(op, ("", ""))
-    initial = arguments.get(state_name)
-    wants_states = bool(arguments.get(final_flag, False))
-    outputs, states = [], []
-    for segment, (start, length, row) in enumerate(zip(boundaries.starts, boundaries.segment_lengths,
-                                                       _canonical_rows(boundaries), strict=True)):
-        call = {name: _to_front(value, start, length) if name in tokens and value is not None else value
-                for name, value in arguments.items()}
-        if initial is not None:
-            call[state_name] = (initial[segment:segment + 1] if segment < boundaries.num_docs
-                                else initial.new_zeros(1, *initial.shape[1:]))
-        keywords = {name: value for name, value in call.items() if name not in positional}
-        result = fn(*(call[name] for name in positional), row, **keywords)
-        if isinstance(result, tuple):
-            outputs.append(result[0][:, :length])
-            if wants_states and segment < boundaries.num_docs:
-                states.append(result[1][:1])
-        else:
-            outputs.append(result[:, :length])
-    out = torch.cat(outputs, dim=1)
-    if not state_name:
-        return out
-    final = torch.cat(states) if wants_states else None
-    return (out, final) if op != "ssd" or wants_states else out
+    keywords = {name: value for name, value in arguments.items() if name not in positional}
+    if op == "attention":
+        keywords["buckets"] = canonical_buckets(boundaries)
+    return fn(*(arguments[name] for name in positional), boundaries, **keywords)

@@ -9,7 +9,7 @@ documents' lengths on the host, so it runs as one opaque node, ``hybrid_pack::<o
 - real implementation reads ``cu_seqlens`` (one host read per row: the one-entry cache below keeps the
   :class:`PackedBoundaries` of the last ``cu_seqlens`` tensor seen, so all layers of a step share it and its
   views), leaves out the zero-length segments of the static form, and calls the eager op with the backend the
-  graph chose while tracing (:func:`~hybrid_pack.ops.dispatch.selector.static_choice`);
+  graph chose while tracing (:mod:`hybrid_pack.ops.dispatch.route`);
 - fake implementation gives the output shapes from the input shapes alone;
 - backward (``register_autograd``) is a second custom op that recomputes the op under autograd and returns
   its gradients: the same kernel and the same arithmetic as eager, at the price of one more forward pass of

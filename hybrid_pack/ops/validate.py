@@ -31,6 +31,12 @@ def document_slots(boundaries: AnyBoundaries) -> int:
 def check_packed(name: str, x: torch.Tensor, boundaries: AnyBoundaries, ndim: int) -> None:
     """Raise InputError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and ``T`` the tokens the boundaries
     describe here (``boundaries.total_tokens``; ``boundaries.local.total_tokens`` on a shard), on their device."""
+    kind = type(boundaries)
+    if kind is PackedBoundaries or kind is StaticBoundaries:  # the common case first: a few comparisons per call
+        shape = x.shape
+        if len(shape) == ndim and shape[0] == 1 and shape[1] == boundaries.total_tokens and \
+                x.device == boundaries.device:
+            return
     if not isinstance(boundaries, (PackedBoundaries, StaticBoundaries, ShardedBoundaries)):
         raise InputError(f"boundaries: expected a PackedBoundaries (PackedBoundaries.from_batch(batch)) or a "
                          f"ShardedBoundaries (shard_batch(batch)); got {type(boundaries).__name__}")
@@ -50,7 +56,7 @@ def check_packed(name: str, x: torch.Tensor, boundaries: AnyBoundaries, ndim: in
 
 def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) -> None:
     """Raise InputError unless ``x`` (when given) has exactly the ``expected`` shape."""
-    if x is not None and tuple(x.shape) != tuple(expected):
+    if x is not None and x.shape != expected:  # torch.Size is a tuple
         raise InputError(f"{name}: expected shape {list(expected)}; got {list(x.shape)}")
 
 

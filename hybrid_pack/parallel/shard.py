@@ -27,6 +27,7 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.schema import (
     BOUNDARIES,
     BOUNDARY_KEYS,
+    HOST_BOUNDARIES,
     IGNORE_INDEX,
     INPUT_IDS,
     INPUTS_EMBEDS,
@@ -84,7 +85,7 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
     for key, value in batch.items():
         if _per_token(value, total):
             out[key] = shard.take(value)
-        elif key not in (*BOUNDARY_KEYS, BOUNDARIES):  # the row's boundary keys: replaced by the shard's
+        elif key not in (*BOUNDARY_KEYS, HOST_BOUNDARIES, BOUNDARIES):  # the row's boundaries: the shard's instead
             out[key] = value
     if batch.get(LABELS) is not None:
         shifted = shift_labels(batch[LABELS], row)

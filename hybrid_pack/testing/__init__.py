@@ -1,14 +1,36 @@
 """The cross-contamination harness (docs/api.md §7) and the runtime guard (§7a): prove a packed model never
-mixes documents, before training and while it trains."""
+mixes documents, before training and while it trains. Every name loads on first use."""
 
-from hybrid_pack.errors import IsolationError
-from hybrid_pack.isolation import TOLERANCE, Layout, adversarial_layouts, model_geometry
-from hybrid_pack.testing.guard import GuardRecord, IsolationWarning, PackingGuard
-from hybrid_pack.testing.invariance import InvarianceReport, check_invariance
-from hybrid_pack.testing.isolation import assert_isolated, check_isolation
-from hybrid_pack.testing.report import DocumentResult, IsolationReport, LayoutResult
-from hybrid_pack.testing.training_step import check_training_step
+from __future__ import annotations
 
-__all__ = ["check_isolation", "check_training_step", "assert_isolated", "IsolationError", "IsolationReport",
-           "LayoutResult", "DocumentResult", "Layout", "adversarial_layouts", "model_geometry", "TOLERANCE",
-           "PackingGuard", "GuardRecord", "IsolationWarning", "check_invariance", "InvarianceReport"]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "IsolationError": "hybrid_pack.errors",
+    "TOLERANCE": "hybrid_pack.isolation",
+    "Layout": "hybrid_pack.isolation",
+    "adversarial_layouts": "hybrid_pack.isolation",
+    "model_geometry": "hybrid_pack.isolation",
+    "GuardRecord": "hybrid_pack.testing.guard",
+    "IsolationWarning": "hybrid_pack.testing.guard",
+    "PackingGuard": "hybrid_pack.testing.guard",
+    "InvarianceReport": "hybrid_pack.testing.invariance",
+    "check_invariance": "hybrid_pack.testing.invariance",
+    "assert_isolated": "hybrid_pack.testing.isolation",
+    "check_isolation": "hybrid_pack.testing.isolation",
+    "DocumentResult": "hybrid_pack.testing.report",
+    "IsolationReport": "hybrid_pack.testing.report",
+    "LayoutResult": "hybrid_pack.testing.report",
+    "check_training_step": "hybrid_pack.testing.training_step",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hybrid_pack.testing' has no attribute {name!r}")

@@ -49,6 +49,7 @@ from hybrid_pack.schema import (
     CACHE_KEYS,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    HOST_BOUNDARIES,
     INPUT_IDS,
     INPUTS_EMBEDS,
     LABELS,
@@ -582,7 +583,7 @@ def _document_batch(batch: Mapping[str, Any], boundaries: PackedBoundaries, star
     (TRL's fused LM head) needs them.
     """
     lone = PackedBoundaries.from_lengths([length], device=boundaries.device)
-    lone_keys = lone.hf_kwargs()
+    lone_keys = {**lone.hf_kwargs(), HOST_BOUNDARIES: lone.host()}
     tokens = boundaries.total_tokens
     skipped = {NUM_PAD_TOKENS} if with_labels else {NUM_PAD_TOKENS, LABELS, NUM_ITEMS_IN_BATCH}
     out: dict[str, Any] = {}
@@ -591,7 +592,7 @@ def _document_batch(batch: Mapping[str, Any], boundaries: PackedBoundaries, star
             continue
         if key == BOUNDARIES:
             out[key] = lone
-        elif key in BOUNDARY_KEYS:
+        elif key in BOUNDARY_KEYS or key == HOST_BOUNDARIES:
             out[key] = None if value is None else lone_keys[key]
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, tokens):
             out[key] = value[:, start:start + length]

@@ -67,10 +67,10 @@ def text_vocab_size(config: Any) -> int:
 
 def vision_position_rule(model: torch.nn.Module, given: PositionIdsFn | None) -> PositionIdsFn | None:
     """``given``, else the model's M-RoPE rule
-    (:func:`~hybrid_pack.integrations.transformers.mrope.mrope_position_ids`), else None (restarting 1-D positions)."""
+    (:func:`~hybrid_pack.mrope.mrope_position_ids`), else None (restarting 1-D positions)."""
     if given is not None:
         return given
-    from hybrid_pack.integrations.transformers.mrope import mrope_position_ids
+    from hybrid_pack.mrope import mrope_position_ids
 
     try:
         return mrope_position_ids(model)

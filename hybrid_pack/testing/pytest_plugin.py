@@ -4,6 +4,8 @@ Enabled automatically once hybrid_pack is installed (entry point ``pytest11``)::
 
     def test_my_model_keeps_documents_apart(assert_isolated):
         assert_isolated(build_my_model())
+
+Loading the plugin imports nothing beyond pytest: torch and the harness load when a test first uses the fixture.
 """
 
 from __future__ import annotations
@@ -12,17 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-
-from hybrid_pack.testing.isolation import check_isolation
-from hybrid_pack.testing.report import IsolationReport
 
 
 @pytest.fixture
-def assert_isolated() -> Callable[..., IsolationReport]:
+def assert_isolated() -> Callable[..., Any]:
     """Run :func:`~hybrid_pack.testing.check_isolation` and fail the test with the report on a leak."""
+    from hybrid_pack.testing.isolation import check_isolation
 
-    def run(model: torch.nn.Module, **kwargs: Any) -> IsolationReport:
+    def run(model: Any, **kwargs: Any) -> Any:
         report = check_isolation(model, **kwargs)
         if not report.ok:
             pytest.fail(str(report), pytrace=False)

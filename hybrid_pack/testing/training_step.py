@@ -38,6 +38,7 @@ from hybrid_pack.isolation.probe import dtype_tolerance, first_backward_leak, le
 from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
 from hybrid_pack.schema import (
     BOUNDARY_KEYS,
+    HOST_BOUNDARIES,
     IGNORE_INDEX,
     INPUT_IDS,
     INPUTS_EMBEDS,
@@ -213,12 +214,13 @@ def _document_batch(batch: Mapping[str, Any], start: int, length: int, t_len: in
     the boundary keys the batch has rebuilt for a single document, no padding; a vision-language row's pixels,
     grids and 3-D positions the document's own (:func:`~hybrid_pack.isolation.vision.document_vision_inputs`)."""
     tokens = batch.get(INPUT_IDS, batch.get(INPUTS_EMBEDS))
-    alone = PackedBoundaries.from_lengths([length], device=tokens.device).hf_kwargs()
+    lone = PackedBoundaries.from_lengths([length], device=tokens.device)
+    alone = {**lone.hf_kwargs(), HOST_BOUNDARIES: lone.host()}
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key == NUM_PAD_TOKENS or key in VISION_INPUT_KEYS:   # pixels and grids: the document's own, below
             continue
-        if key in BOUNDARY_KEYS:
+        if key in BOUNDARY_KEYS or key == HOST_BOUNDARIES:
             out[key] = alone[key]
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, t_len):
             out[key] = value[:, start:start + length]

@@ -20,6 +20,9 @@ from hybrid_pack.training.reporting import REPORT_TARGETS, report_targets
 DEFAULT_GUARD_EVERY = 100
 """Packed micro-batches between two checks of the runtime guard (docs/guard.md: its cost at this N)."""
 
+DEFAULT_LOG_EVERY = 10
+"""Optimizer steps between two reads of the losses (``--log-every``; docs/api.md §9b: no host read per step)."""
+
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 """What the weights of a saved Hugging Face checkpoint are named (a model directory without them starts fresh)."""
 
@@ -70,6 +73,11 @@ class TrainConfig:
     compare_padded: bool = field(default=False, metadata={
         "help": "also train the same example groups in padded batches and compare"})
     isolation_check: bool = field(default=False, metadata={"help": "run the isolation harness on the model first"})
+    log_every: int = field(default=DEFAULT_LOG_EVERY, metadata={
+        "help": "optimizer steps between two reads of the losses: each step's loss stays on the device and the host "
+                "waits for it only every N steps (and at the first, the last and every checkpoint), when the "
+                "progress bar and --report-to are updated; metrics.json still holds every step's loss",
+        "metavar": "N"})
     checkpoint_every: int = field(default=0, metadata={
         "help": "optimizer steps between checkpoints; 0: only at the end"})
     resume: bool = field(default=False, metadata={
@@ -100,7 +108,7 @@ class TrainConfig:
                 "--context-parallel or --activation-checkpointing every decoder block is compiled (docs/compile.md)"})
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "epochs", "grad_accum", "context_parallel"):
+        for name in ("capacity", "epochs", "grad_accum", "context_parallel", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise InputError(f"{name}: expected a positive int; got {getattr(self, name)}")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:

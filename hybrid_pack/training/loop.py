@@ -53,7 +53,12 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
                on_step: Callable[[int], None] | None = None, guard: PackingGuard | None = None) -> RunStats:
     """Run optimizer steps ``start_step`` .. ``total_steps - 1`` over ``steps``, recording them in ``stats``.
 
-    ``on_step(step)`` runs after each (``step`` counts the steps done); ``guard.step`` names the step being run.
+    Each step's loss stays on the device, detached; the host reads them, and the device synchronises, only at a
+    log point (docs/api.md §9b): the pass's first step (its time is the warm-up's), every ``cfg.log_every``-th and
+    ``cfg.checkpoint_every``-th step, and the last. There the pending losses are read in one copy and appended to
+    ``stats.losses``, one per step, and ``stats.seconds`` gains the time since the previous log point (data drawing
+    included). ``on_step(step)`` runs at each log point (``step`` counts the steps done; every loss so far is in
+    ``stats.losses``); ``guard.step`` names the step being run.
     """
     amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
     progress = _progress_bar(cfg, total_steps, start_step, describe)
@@ -63,32 +68,32 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
     step = start_step
     batches = iter(steps)
     first = next(batches, None) if step < total_steps else None
-    if first is not None and (world > 1 or cfg.compile):
-        # The backends' warm-up (collective under torch.distributed): one verdict per op and key for every rank,
-        # and every kernel checked before a compiled graph is traced (no check runs in a trace).
+    if first is not None:
+        # The backends' one warm-up (collective under torch.distributed): one verdict per op and key for every
+        # rank, settled before the first forward (a compiled graph finds its kernels checked: no check runs there).
         with amp:
             backends.verify(model=model, batch=_inputs(first[0], device, torch.tensor(count_targets(first[0]))))
     batches = itertools.chain([] if first is None else [first], batches)
+    pending: list[torch.Tensor] = []   # the losses of the steps since the last log point, on the device
+    _synchronize(device)
+    began = time.perf_counter()
     while step < total_steps:  # checked before drawing: a drawn step is a trained step
         micro_batches = next(batches, None)
         if micro_batches is None:
             break
         if guard is not None:
             guard.step = step
-        _synchronize(device)
-        began = time.perf_counter()
-        loss = _optimizer_step(model, micro_batches, optimizer, scheduler, cfg, device, amp, world, stats)
-        _synchronize(device)
-        elapsed = time.perf_counter() - began
-        stats.seconds += elapsed
-        if step == 0:
-            stats.warmup_seconds, stats.warmup_tokens = elapsed, stats.real_tokens
-        stats.losses.append(loss)
+        pending.append(_optimizer_step(model, micro_batches, optimizer, scheduler, cfg, device, amp, world, stats))
         step += 1
         if progress is not None:
             progress.update(1)
-            guarded = {} if guard is None else {"guard": f"{len(guard.records)} checks ok"}
-            progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{stats.tokens_per_second:,.0f}", **guarded)
+        if _is_log_point(step, start_step, total_steps, cfg):
+            _log(pending, stats, began, device, first_step=step == 1, progress=progress, guard=guard)
+            if on_step is not None:
+                on_step(step)
+            began = time.perf_counter()
+    if pending:   # the data ran out before total_steps
+        _log(pending, stats, began, device, first_step=step == 1, progress=progress, guard=guard)
         if on_step is not None:
             on_step(step)
     if progress is not None:
@@ -98,14 +103,38 @@ def train_pass(model: torch.nn.Module, steps: Iterable[list[MicroBatch]], *, tot
     return stats
 
 
+def _is_log_point(step: int, start_step: int, total_steps: int, cfg: TrainConfig) -> bool:
+    """Whether the losses are read after ``step`` steps: the pass's first, every ``log_every``-th and
+    ``checkpoint_every``-th (a checkpoint holds every loss so far), and the last."""
+    return (step == start_step + 1 or step == total_steps or step % cfg.log_every == 0
+            or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0))
+
+
+def _log(pending: list[torch.Tensor], stats: RunStats, began: float, device: torch.device, *, first_step: bool,
+         progress: Any, guard: PackingGuard | None) -> None:
+    """Read the ``pending`` steps' losses (one device-to-host copy) into ``stats.losses`` and the time since
+    ``began`` into ``stats.seconds`` (the warm-up's, after the run's first step); ``pending`` is emptied."""
+    stats.losses.extend(torch.stack(pending).tolist())   # the log point's one read (it waits for the device)
+    pending.clear()
+    _synchronize(device)
+    elapsed = time.perf_counter() - began
+    stats.seconds += elapsed
+    if first_step:
+        stats.warmup_seconds, stats.warmup_tokens = elapsed, stats.real_tokens
+    if progress is not None:
+        guarded = {} if guard is None else {"guard": f"{len(guard.records)} checks ok"}
+        progress.set_postfix(loss=f"{stats.losses[-1]:.3f}", tok_s=f"{stats.tokens_per_second:,.0f}", **guarded)
+
+
 def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], optimizer: torch.optim.Optimizer,
                     scheduler: Any, cfg: TrainConfig, device: torch.device, amp: AbstractContextManager[Any],
-                    world: int, stats: RunStats) -> float:
-    """Forward and backward every micro-batch, clip, step; return the step's loss (every rank's)."""
+                    world: int, stats: RunStats) -> torch.Tensor:
+    """Forward and backward every micro-batch, clip, step; return the step's loss (every rank's: one all-reduce), a
+    detached float32 0-d tensor on ``device``. Nothing is read from the device."""
     items = torch.tensor(sum(count_targets(mb) for mb in micro_batches), device=device)
     if world > 1:
         dist.all_reduce(items)
-    step_loss = 0.0
+    step_loss = torch.zeros((), device=device)
     for mb in micro_batches:
         with amp:
             out = model(**_inputs(mb, device, items))
@@ -113,13 +142,11 @@ def _optimizer_step(model: torch.nn.Module, micro_batches: list[MicroBatch], opt
         # average the gradients over the ranks, so `* world` makes them the sum of the shares' gradients.
         loss = out.loss * world
         loss.backward()
-        step_loss += float(loss.detach()) / world
+        step_loss += loss.detach().float() / world
         stats.real_tokens += int(mb[REAL_TOKENS])
         stats.computed_tokens += int(mb[INPUT_IDS].numel())
     if world > 1:
-        total = torch.tensor(step_loss, device=device)
-        dist.all_reduce(total)
-        step_loss = float(total)
+        dist.all_reduce(step_loss)
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     scheduler.step()
@@ -146,5 +173,6 @@ def _progress_bar(cfg: TrainConfig, total_steps: int, start_step: int, describe:
 
 
 def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA): at the start of a pass and at its log points only."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

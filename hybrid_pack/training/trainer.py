@@ -281,11 +281,16 @@ def _train_packed(model: torch.nn.Module, packed_model: torch.nn.Module, feature
     graphs_before = counters["stats"]["unique_graphs"]
     graphs_after_first_step = graphs_before
 
-    def after_step(step: int) -> None:
-        nonlocal graphs_after_first_step
+    logged = start_step
+
+    def after_step(step: int) -> None:   # at train_pass's log points: every loss so far is read
+        nonlocal graphs_after_first_step, logged
         if step == start_step + 1:
             graphs_after_first_step = counters["stats"]["unique_graphs"]
         saver(step)
+        for done in range(logged + 1, step):
+            reporter.log(done, {"train/loss": stats.losses[done - 1]})
+        logged = step
         reporter.log(step, {"train/loss": stats.losses[-1], "train/learning_rate": scheduler.get_last_lr()[0],
                             "train/tokens_per_second": stats.tokens_per_second})
 

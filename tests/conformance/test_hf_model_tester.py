@@ -44,7 +44,6 @@ pytest.importorskip("parameterized")
 from transformers import MODEL_MAPPING, PreTrainedModel, set_seed
 
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers
 from tests.conformance import hf_release
 from tests.conformance.family_tester import (
     CONFORMANCE_FAMILIES,
@@ -54,6 +53,7 @@ from tests.conformance.family_tester import (
     language_model_class,
 )
 from tests.conformance.known_both_modes import attention_layers, expected_failure, expecting_failure
+from tests.support.torch_path import pure_torch_transformers
 
 pytestmark = pytest.mark.conformance
 

@@ -40,7 +40,6 @@ from transformers import set_seed
 from hybrid_pack import PackingCollator
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.families import FAMILIES
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers
 from hybrid_pack.isolation import relative_error
 from tests.conformance.family_tester import (
     CONFORMANCE_FAMILIES,
@@ -49,6 +48,7 @@ from tests.conformance.family_tester import (
     conformance_config,
     language_model_class,
 )
+from tests.support.torch_path import pure_torch_transformers
 
 pytestmark = pytest.mark.conformance
 

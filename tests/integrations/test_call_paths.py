@@ -20,9 +20,10 @@ from hybrid_pack import PackingCollator
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import BoundaryError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model
+from hybrid_pack.integrations.transformers.tiny import VOCAB, tiny_model
 from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX
 from hybrid_pack.testing import check_isolation, check_training_step
+from tests.support.torch_path import pure_torch_transformers
 
 FAMILIES = ["qwen3_next", "bamba", "jamba"]
 LENGTHS = [5, 19, 1, 7]          # a one-token document, one longer than the chunk size (16)

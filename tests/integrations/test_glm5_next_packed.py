@@ -32,10 +32,10 @@ from hybrid_pack.integrations.transformers.glm5_next import dsa_indexer_forward,
 from hybrid_pack.integrations.transformers.tiny import (
     VOCAB,
     _glm5_next,
-    pure_torch_transformers,
     tiny_vlm_model,
 )
 from hybrid_pack.testing import check_isolation
+from tests.support.torch_path import pure_torch_transformers
 
 # With 4-token pools and 2 pools chosen: 1-token documents, documents shorter than a pool, exactly one pool, and
 # documents with more pools than are chosen (23 is also longer than a KDA chunk of 16).

@@ -3,9 +3,10 @@ either leak, with the leak traced to a mixer, or have their raise reported."""
 
 import pytest
 
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model
+from hybrid_pack.integrations.transformers.tiny import tiny_model
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.testing import check_isolation
+from tests.support.torch_path import pure_torch_transformers
 
 LAYOUT = [1, 21, 2, 17]
 

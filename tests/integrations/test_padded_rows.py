@@ -18,7 +18,8 @@ import torch
 pytest.importorskip("transformers")
 
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, pure_torch_transformers, tiny_model
+from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, tiny_model
+from tests.support.torch_path import pure_torch_transformers
 
 LENGTHS = [7, 12, 3, 1]
 

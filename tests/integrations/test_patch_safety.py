@@ -27,8 +27,9 @@ pytest.importorskip("transformers")
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, pure_torch_transformers, tiny_config
+from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, tiny_config
 from hybrid_pack.testing import check_isolation
+from tests.support.torch_path import pure_torch_transformers
 
 FAMILIES = sorted(TINY_CONFIGS)
 LENGTHS = [7, 13, 5]
@@ -138,7 +139,7 @@ _OTHER_MODELS = textwrap.dedent("""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     from hybrid_pack.errors import UnsupportedModelError
     from hybrid_pack.integrations.transformers import patch_model
-    from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, pure_torch_transformers, tiny_config
+    from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, tiny_config
 
     def build(config):
         torch.manual_seed(0)

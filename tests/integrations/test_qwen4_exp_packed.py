@@ -28,8 +28,9 @@ from hybrid_pack.integrations.transformers import qwen4_exp as qwen4_exp_module
 from hybrid_pack.integrations.transformers.gated_deltanet import gated_deltanet_forward, qwen3_5_projections
 from hybrid_pack.integrations.transformers.qsa import qsa_attention_forward
 from hybrid_pack.integrations.transformers.qwen4_exp import ngram_embedding_forward, ple_forward
-from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model
+from hybrid_pack.integrations.transformers.tiny import VOCAB, tiny_model
 from hybrid_pack.testing import check_isolation
+from tests.support.torch_path import pure_torch_transformers
 
 LENGTHS = [1, 21, 2, 4]
 NUM_PAD = 3

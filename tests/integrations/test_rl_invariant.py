@@ -2,19 +2,20 @@
 packing capacity.
 
 Inside :func:`hybrid_pack.batch_invariant`, a sequence in a static row of ``L`` tokens gets the log-probabilities
-it gets alone in a row of ``L`` tokens, whatever its row-mates and its offset (each mixer computes it in a canonical
-row whose shape depends on the sequence alone). ``PackedGRPOTrainer(batch_invariant=True)`` pads every row to
-``L = packing_capacity``, so:
+it gets alone in a row of ``L`` tokens, whatever its row-mates and its offset (the mixers' chunk grids start at each
+sequence's first token and their batched products treat every member alike; attention runs each sequence in a
+canonical bucket whose shape depends on the sequence alone). ``PackedGRPOTrainer(batch_invariant=True)`` pads
+every row to ``L = packing_capacity``, so:
 
 - at one capacity, every packing gives the same bits: the old policy's, the reference model's and the policy's
   log-probabilities and the entropies are ``torch.equal`` whether the eight sequences share rows or each has its own
   (``max_documents`` None, 3, 1: 3, 6 and 12 forwards of ``[1, 128]``). In particular the policy's log-probabilities in
   the loss (a micro-batch of four sequences) equal the old policy's (all eight, packed otherwise): the importance
   ratio is exactly 1 and the KL to the reference exactly 0, as on-policy training means them;
-- across capacities (64, 96, 128) the row length changes; the mixers' canonical rows do not, and the token-wise
-  GEMMs' rows are stable across row lengths on this CPU, so the log-probabilities, the entropies and the loss are
-  bitwise the same at 64, 96 and 128 too (asserted: a CPU or BLAS whose GEMM rows depend on the row count would
-  break only this part, not the one-length guarantee).
+- across capacities (64, 96, 128) the row length changes; a sequence's chunks and attention bucket do not, and the
+  batched products' members and the token-wise GEMMs' rows are stable across batch sizes and row lengths on this
+  CPU, so the log-probabilities, the entropies and the loss are bitwise the same at 64, 96 and 128 too (asserted: a
+  CPU or BLAS whose GEMM rows depend on the row count would break only this part, not the one-length guarantee).
 
 Outside the mode, the policy's log-probabilities in the loss need not match the old policy's (another packing), so
 the ratio can leave 1 by a few ULPs; the figures are printed. The completions are 1 to 57 tokens, longer than the
@@ -34,7 +35,7 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'hybr
 from datasets import Dataset  # noqa: E402
 
 from hybrid_pack.errors import InputError  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model, tiny_tokenizer  # noqa: E402
+from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl import PackedGRPOTrainer  # noqa: E402
 from tests.integrations.test_trl_grpo import (  # noqa: E402, F401  (_quiet: the autouse fixture silencing TRL)
     PROMPTS,
@@ -45,6 +46,7 @@ from tests.integrations.test_trl_grpo import (  # noqa: E402, F401  (_quiet: the
     _reward,
     _saved_model,
 )
+from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
 EOS = 1
 LENGTHS = (37, 5, 57, 1, 23, 41, 2, 16)      # completion lengths (EOS included): prompt + completion <= 62 tokens

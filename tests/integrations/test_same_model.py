@@ -19,9 +19,10 @@ pytest.importorskip("transformers")
 from hybrid_pack import PackingCollator
 from hybrid_pack.errors import InputError, UnsupportedModelError
 from hybrid_pack.integrations.transformers import is_patched, patch_model
-from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, pure_torch_transformers, tiny_config
+from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, VOCAB, tiny_config
 from hybrid_pack.schema import INPUT_IDS, LABELS
 from hybrid_pack.testing import check_training_step
+from tests.support.torch_path import pure_torch_transformers
 
 FAMILIES = sorted(TINY_CONFIGS)
 LENGTHS = [5, 19, 1, 7]          # a one-token document, one longer than the chunk size (16)

@@ -24,10 +24,10 @@ from hybrid_pack.integrations.transformers.tiny import (
     CHUNK,
     TINY_CONFIGS,
     VOCAB,
-    pure_torch_transformers,
     tiny_model,
 )
 from hybrid_pack.testing import check_isolation
+from tests.support.torch_path import pure_torch_transformers
 
 FAMILIES = sorted(TINY_CONFIGS)
 # One-token documents, one longer than the chunk size (16), conv-width edges, a trailing padding segment.

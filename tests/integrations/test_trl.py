@@ -29,10 +29,11 @@ from hybrid_pack import PackingCollator  # noqa: E402
 from hybrid_pack.cli import main as cli_main  # noqa: E402
 from hybrid_pack.errors import InputError  # noqa: E402
 from hybrid_pack.integrations.transformers import is_patched, patch_model  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model, tiny_tokenizer  # noqa: E402
+from hybrid_pack.integrations.transformers.tiny import VOCAB, tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl import TRL_SEQ_LENGTHS, PackedRowsCollator, PackedSFTTrainer  # noqa: E402
 from hybrid_pack.schema import ADVANTAGES, CU_SEQ_LENS_Q, IGNORE_INDEX, INPUT_IDS, LABELS  # noqa: E402
 from hybrid_pack.testing import check_isolation, check_training_step  # noqa: E402
+from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
 FAMILIES = ["qwen3_next", "bamba", "jamba"]
 DOC_LENGTHS = [5, 9, 3, 12, 7, 4, 6, 2, 20, 11, 8, 1]

@@ -17,8 +17,9 @@ trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
 from hybrid_pack.integrations.transformers import patch_model  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model, tiny_tokenizer  # noqa: E402
+from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl_dpo import PackedDPOTrainer  # noqa: E402
+from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

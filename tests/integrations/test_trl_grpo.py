@@ -26,9 +26,10 @@ from datasets import Dataset  # noqa: E402
 
 from hybrid_pack.errors import InputError  # noqa: E402
 from hybrid_pack.integrations.transformers import is_patched  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model, tiny_tokenizer  # noqa: E402
+from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl import TESTED_TRL, PackedGRPOTrainer  # noqa: E402
 from hybrid_pack.schema import ATTENTION_MASK, CU_SEQ_LENS_Q, INPUT_IDS, SEQ_IDX  # noqa: E402
+from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
 EOS = 1
 PROMPTS = ["w3 w4 w5 w6 w7", "w9 w10"]                 # 5 and 2 tokens: left padding in TRL's batch

@@ -22,9 +22,10 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'hybr
 from datasets import Dataset  # noqa: E402
 
 from hybrid_pack.integrations.transformers import is_patched  # noqa: E402
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model, tiny_tokenizer  # noqa: E402
+from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl import PackedRLOOTrainer  # noqa: E402
 from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS  # noqa: E402
+from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -22,9 +22,10 @@ pytest.importorskip("accelerate")
 
 from hybrid_pack import PackingCollator
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.mrope import mrope_position_ids
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_vlm_model
+from hybrid_pack.mrope import mrope_position_ids
+from hybrid_pack.integrations.transformers.tiny import tiny_vlm_model
 from hybrid_pack.testing.multimodal import vision_sample
+from tests.support.torch_path import pure_torch_transformers
 
 FAMILY = "qwen3_5"
 SEGMENTS = [
@@ -132,7 +133,7 @@ def test_packed_trainer_takes_the_models_positions(tmp_path) -> None:
     from transformers import TrainingArguments
 
     from hybrid_pack.errors import InputError
-    from hybrid_pack.integrations.transformers.mrope import MRopePositions
+    from hybrid_pack.mrope import MRopePositions
     from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 
     model = patch_model(_model())

@@ -26,15 +26,16 @@ def test_a_backend_failing_its_self_check_on_rank_1_only_serves_neither_rank(tmp
 
 @pytest.mark.distributed
 def test_context_parallel_ranks_settle_one_verdict_per_key_at_the_warm_up(tmp_path):
-    """Ranks of one sharded row make different local calls. Before ``verify()`` no kernel serves (nothing is
-    agreed mid-step, nothing hangs); after it, a kernel failing its self-check on rank 1 only serves neither rank
-    (whole-row and sharded alike), and a sharded kernel passing its collective check serves both."""
+    """Ranks of one sharded row make different local calls. Before ``verify()`` a call a kernel could serve raises
+    naming the warm-up (never a silent fallback); after it, a kernel failing its self-check on rank 1 only serves
+    neither rank (whole-row and sharded alike), and a sharded kernel passing its collective check serves both."""
     out = tmp_path / "cp"
     torchrun("dist_backends.py", str(out), "cp", timeout=240)
     ranks = [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text()) for r in range(2)]
     for rank, result in enumerate(ranks):
         ran = result["ran"]
-        assert all(backend == "torch" for _, backend in ran["before"]), ran["before"]
+        for op, why in ran["unwarmed"].items():
+            assert f"{op}: backend" in why and "hybrid_pack.backends.verify(" in why, why
         assert ran["attention"]["backend"] == "planted_sharded", "passed its collective check: it serves both ranks"
         assert ran["gated_delta"]["backend"] == "torch"
         why = ran["gated_delta"]["refused"]["planted"]

@@ -125,9 +125,13 @@ def test_forcing_a_backend_that_rejects_the_inputs_raises(fake_conv_backend: lis
 @pytest.mark.parametrize("how", ["argument", "context", "environment"])
 def test_torch_backends_can_be_forced(how: str, fake_conv_backend: list[int], fake_attention_backend: list[int],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """With fake kernels ranked above torch, each way of forcing torch keeps them from serving the calls."""
-    varlen_attention(**attention_inputs(), boundaries=BOUNDARIES)
-    assert fake_attention_backend == [T]  # unforced, the fake kernel serves
+    """With fake kernels ranked above torch, each way of forcing torch keeps them from serving the calls
+    (``HYBRID_PACK_BACKENDS`` is read when a call key is first chosen: set before the run)."""
+    if how == "environment":
+        monkeypatch.setenv(ENV_VAR, "attention=torch, conv=torch")
+    else:
+        varlen_attention(**attention_inputs(), boundaries=BOUNDARIES)
+        assert fake_attention_backend == [T]  # unforced, the fake kernel serves
     fake_attention_backend.clear()
     attention, conv = attention_inputs(), conv_inputs()
     if how == "argument":
@@ -138,7 +142,6 @@ def test_torch_backends_can_be_forced(how: str, fake_conv_backend: list[int], fa
             out_a = varlen_attention(**attention, boundaries=BOUNDARIES)
             out_c = causal_conv1d(**conv, boundaries=BOUNDARIES)
     else:
-        monkeypatch.setenv(ENV_VAR, "attention=torch, conv=torch")
         out_a = varlen_attention(**attention, boundaries=BOUNDARIES)
         out_c = causal_conv1d(**conv, boundaries=BOUNDARIES)
     assert fake_conv_backend == [] and fake_attention_backend == []

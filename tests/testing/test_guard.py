@@ -249,7 +249,8 @@ def test_atol_overrides_the_dtype_tolerance(model):
 
 def test_patched_hugging_face_model_with_keys_or_restarting_positions():
     from hybrid_pack.integrations.transformers import patch_model
-    from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+    from tests.support.torch_path import pure_torch_transformers
 
     model = patch_model(tiny_model("qwen3_next")).train()
     batch = _batch([7, 1, 33, 20, 5], vocab=120)

@@ -25,7 +25,8 @@ from hybrid_pack.testing import IsolationWarning, PackingGuard
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'hybrid_pack[hf]')")
 
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.tiny import VOCAB, pure_torch_transformers, tiny_model
+from hybrid_pack.integrations.transformers.tiny import VOCAB, tiny_model
+from tests.support.torch_path import pure_torch_transformers
 
 EOS = 1
 

@@ -20,12 +20,13 @@ pytest.importorskip("transformers")
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import BoundaryError, IsolationError, UnsupportedModelError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.mrope import mrope_position_ids
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model, tiny_vlm_model
+from hybrid_pack.mrope import mrope_position_ids
+from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_vlm_model
 from hybrid_pack.isolation.vision import document_vision_inputs
 from hybrid_pack.testing import PackingGuard, check_isolation
 from hybrid_pack.testing.multimodal import VisionLayout, text_vocab_size, vision_layouts, vision_samples
 from tests.kit import widened
+from tests.support.torch_path import pure_torch_transformers
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 ATOL = 1e-5

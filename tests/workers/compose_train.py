@@ -103,7 +103,7 @@ def gradient_cases(out: str) -> None:
         verdict[case] = {
             "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
             "wrapped": any(is_checkpointed(m) for m in model.modules()),
-            "loss_difference": abs(loss - expected_loss),
+            "loss_difference": abs(float(loss) - expected_loss),
             "max_gradient_difference": max(float((gradients[case][n] - g).abs().max()) for n, g in expected.items()),
             "gradient_norm": float(sum(g.double().square().sum() for g in expected.values()) ** 0.5),
             "same_names": sorted(gradients[case]) == sorted(expected),

@@ -9,7 +9,9 @@ report to ``OUT.rank<r>.json``.
 With ``cp``: a planted Gated DeltaNet kernel 1% off on rank 1, a planted sharded conv (the pure-torch
 context-parallel conv) 1% off on rank 1 and a planted sharded attention (exact on both) run on a row whose second
 document fills rank 1, so the ranks make different local calls (rank 1 continues the document: its delta rule
-widens the values). One step before ``backends.verify()`` and one after; writes what ran after it.
+widens the values). Before the warm-up a call that a kernel could serve raises (recorded); then one step inside
+``backends.discovering()`` records the keys, ``backends.verify()`` settles them, and one more step runs; writes
+what ran in it.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_backends.py OUT [cp]
 """
@@ -73,13 +75,20 @@ def sharded_ops(rank: int) -> dict:
         conv = causal_conv1d(q.flatten(2), weight, None, shard, activation="silu")
         (out.sum() + conv.sum() + varlen_attention(q, k, v, shard).sum()).backward()
 
-    step()  # before the warm-up: every kernel waits for a settled verdict, the pure-torch paths run
+    unwarmed = {}
+    for op, call in (("gated_delta", lambda t: gated_delta_rule(*t, PackedBoundaries.from_lengths([5, 11]))),
+                     ("conv", lambda t: causal_conv1d(t[0].flatten(2), weight, None, shard))):
+        try:  # before the warm-up, a call that a kernel could serve fails loudly, before any exchange
+            call([x[:, shard.offset:shard.offset + 16] for x in row])
+            unwarmed[op] = ""
+        except backends.WarmUpError as error:
+            unwarmed[op] = str(error)
+    with backends.discovering():
+        step()
     backends.verify(device="cpu")
-    decided = len(backends.decisions())
     step()
-    return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()[decided:]} | {
-        "before": sorted({(d.op, d.backend) for d in backends.decisions()[:decided]}),
-        "all": sorted({(d.op, d.backend) for d in backends.decisions()})}
+    return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()} | {
+        "unwarmed": unwarmed, "all": sorted({(d.op, d.backend) for d in backends.decisions()})}
 
 
 def fsdp_step(rank: int) -> dict:

@@ -34,9 +34,10 @@ from trl import GRPOConfig
 
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.integrations.transformers.guard import PackingGuardCallback
-from hybrid_pack.integrations.transformers.tiny import pure_torch_transformers, tiny_model, tiny_tokenizer
+from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer
 from hybrid_pack.integrations.trl import PackedGRPOTrainer
 from hybrid_pack.testing import IsolationWarning
+from tests.support.torch_path import pure_torch_transformers
 from tests.workers.launch import exit_without_finalizing
 
 EOS = 1

@@ -3,9 +3,11 @@
 A trainer or wrapper may call the top-level model, its backbone (TRL's fused LM head calls
 ``model.base_model`` directly) or one decoder layer (pipeline schedules). Each of them gets a forward
 pre-hook (:func:`install_entry`): the first one that receives the packed keys (the collator's
-``cu_seq_lens_q/k``, ``seq_idx``, ``max_length_q/k``, ``num_pad_tokens``, or restarting ``position_ids``
-alone) replaces them by ``boundaries=`` (a :class:`~hybrid_pack.PackedBoundaries`), restarting
-``position_ids`` (for RoPE and the model's own packed-sequence masks) and ``use_cache=False``.
+``cu_seq_lens_q/k``, ``seq_idx``, ``max_length_q/k``, ``num_pad_tokens``, ``host_boundaries``, or restarting
+``position_ids`` alone) replaces them by ``boundaries=`` (a :class:`~hybrid_pack.PackedBoundaries`), restarting
+``position_ids`` (for RoPE and the model's own packed-sequence masks) and ``use_cache=False``. With the
+collator's ``host_boundaries`` the boundaries are built without reading a tensor (docs/api.md §9b); without it
+they are read from the boundary tensors, one device-to-host copy per forward when those are on an accelerator.
 
 From there the model's own ``**kwargs`` plumbing carries ``boundaries`` to every decoder layer, attention
 function and sequence mixer, as it carries transformers' own flash-attention keywords. Nothing is held
@@ -38,6 +40,7 @@ from hybrid_pack.schema import (
     BOUNDARIES,
     BOUNDARY_KEYS,
     CACHE_KEYS,
+    HOST_BOUNDARIES,
     INPUT_IDS,
     INPUTS_EMBEDS,
     POSITION_IDS,
@@ -76,7 +79,11 @@ def _only_restarting_positions(arguments: dict[str, Any]) -> bool:
 
 
 def _build(arguments: dict[str, Any]) -> PackedBoundaries | StaticBoundaries:
-    keys = {key: arguments[key] for key in (*BOUNDARY_KEYS, INPUT_IDS) if arguments.get(key) is not None}
+    """The boundaries of the call's keys: from the collator's ``host_boundaries`` and the boundary tensors as they
+    are when the call carries it (no value read, §9b), else read from the tensors (one device-to-host copy when they
+    are on an accelerator); inside ``torch.compile`` from the tensors' shapes (§9)."""
+    keys = {key: arguments[key] for key in (*BOUNDARY_KEYS, INPUT_IDS, HOST_BOUNDARIES)
+            if arguments.get(key) is not None}
     if torch.compiler.is_compiling():
         return StaticBoundaries.from_batch(keys)
     return PackedBoundaries.from_batch(keys)
@@ -96,7 +103,7 @@ def packed_call_boundaries(arguments: dict[str, Any], *, by_positions: bool = Tr
         BoundaryError: boundary keys that disagree with each other or with the tokens.
     """
     given = arguments.get(BOUNDARIES)
-    explicit = explicit_keys_in(arguments)
+    explicit = explicit_keys_in(arguments) + [HOST_BOUNDARIES] * (arguments.get(HOST_BOUNDARIES) is not None)
     if given is None and not explicit and not (by_positions and _only_restarting_positions(arguments)):
         return None
     tokens = _tokens(arguments)
@@ -200,7 +207,8 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
     tokens = _tokens(arguments)   # input_ids, inputs_embeds or hidden_states, given by name or position
     if tokens is not None and boundaries.device != tokens.device:
         boundaries = boundaries.to(tokens.device)
-    kwargs = {key: value for key, value in kwargs.items() if key not in (*EXPLICIT_BOUNDARY_KEYS, ATTENTION_MASK)}
+    kwargs = {key: value for key, value in kwargs.items()
+              if key not in (*EXPLICIT_BOUNDARY_KEYS, HOST_BOUNDARIES, ATTENTION_MASK)}
     kwargs[BOUNDARIES] = boundaries
     if signature.takes_position_ids and POSITION_IDS not in given_positionally:
         kwargs[POSITION_IDS] = _positions(arguments.get(POSITION_IDS), boundaries)

@@ -6,9 +6,7 @@ attention, and uses small chunk sizes (16) so a short packed row already crosses
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +14,7 @@ import torch
 from hybrid_pack.errors import InputError, MissingExtraError
 
 __all__ = ["TINY_CONFIGS", "TINY_VLM_CONFIGS", "VISION_TOKENS", "tiny_config", "tiny_model", "tiny_vlm_model",
-           "tiny_tokenizer", "pure_torch_transformers"]
+           "tiny_tokenizer"]
 
 VOCAB = 128
 CHUNK = 16
@@ -388,25 +386,3 @@ def tiny_tokenizer() -> Any:
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-# transformers dispatches these to installed kernel packages (flash-linear-attention, causal-conv1d), which
-# need a GPU, and guards them against packed kwargs; their ``__wrapped__`` originals are plain torch.
-KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                    "causal_conv1d_update", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
-
-
-@contextlib.contextmanager
-def pure_torch_transformers(model: torch.nn.Module | type) -> Iterator[None]:
-    """Run ``model``'s family code (``model``: a model or a model class) on transformers' own torch functions
-    for the convolution and the delta rule, bypassing kernel dispatch (the CPU reference for ordinary, unpacked
-    calls)."""
-    module = sys.modules[(model if isinstance(model, type) else type(model)).__module__]
-    saved = {name: getattr(module, name) for name in KERNEL_FUNCTIONS if hasattr(module, name)}
-    try:
-        for name, fn in saved.items():
-            setattr(module, name, getattr(fn, "__wrapped__", fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)

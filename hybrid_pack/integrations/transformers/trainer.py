@@ -31,7 +31,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import InputError, MissingExtraError, UnsupportedModelError
-from hybrid_pack.integrations.transformers.mrope import MRopePositions, mrope_position_ids
+from hybrid_pack.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.ops.invariant import batch_invariant as invariant_mode
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, IMAGE_GRID_THW, POSITION_IDS, VIDEO_GRID_THW
@@ -48,7 +48,7 @@ __all__ = ["PackedTrainer", "PackedBatches", "SetSamplerEpoch", "SettlesBackends
 
 def model_position_ids_fn(model: Any) -> MRopePositions | None:
     """How ``model`` (under PEFT / DDP wrappers) numbers one sample, for ``PackingCollator(position_ids_fn=...)``:
-    its M-RoPE rule (:func:`~hybrid_pack.integrations.transformers.mrope.mrope_position_ids`) when it has
+    its M-RoPE rule (:func:`~hybrid_pack.mrope.mrope_position_ids`) when it has
     ``get_rope_index``, else None (the collator's restarting 1-D positions are the model's)."""
     model = getattr(model, "module", model)
     get_base_model = getattr(model, "get_base_model", None)
@@ -104,9 +104,9 @@ class PackedBatches:
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """The trainer's loss; before the first training step's, under ``torch.distributed`` or ``torch_compile``,
-        the backends' warm-up on that batch (:func:`hybrid_pack.backends.verify`: every rank settles one backend per
-        op and call key before any runs, and a compiled graph finds its kernels checked). A single eager process
-        checks each kernel at its first call instead."""
+        the backends' one warm-up on that batch (:func:`hybrid_pack.backends.verify`: every rank settles one backend
+        per op and call key before any runs, and a compiled graph finds its kernels checked). A single eager process
+        settles each key at its first call, with the same check."""
         if model.training and not self._backends_verified:
             self._backends_verified = True
             if distributed() or self.args.torch_compile:  # type: ignore[attr-defined]
@@ -147,18 +147,20 @@ class PackedBatches:
 
 class SettlesBackendsAfterFirstStep:
     """For trainers whose packed calls one batch cannot replay (TRL's GRPO and DPO score several forwards per step):
-    under ``torch.distributed`` the first training step runs on the pure-torch backends (no verdict is settled
-    yet), then every rank settles one backend per op and call key (:func:`hybrid_pack.backends.verify`) for the
-    rest. A single process checks each kernel at its first call instead. Mixed in before the trainer class."""
+    under ``torch.distributed`` the first training step runs on the pure-torch backends, recording the keys it meets
+    (:func:`hybrid_pack.backends.discovering`), then every rank settles one backend per op and call key
+    (:func:`hybrid_pack.backends.verify`, the one warm-up) for the rest. A single process settles each key at its
+    first call, with the same check. Mixed in before the trainer class."""
 
     _backends_settled = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
-        if not self._backends_settled:
-            self._backends_settled = True
-            if distributed():
-                backends.verify()
+        if self._backends_settled or not distributed():
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        with backends.discovering(training_step=True):
+            loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        self._backends_settled = True
+        backends.verify()
         return loss
 
 

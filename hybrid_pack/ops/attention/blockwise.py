@@ -1,19 +1,21 @@
 """Causal attention with the diagonal aligned bottom right, computed block by block with an online softmax.
 
 The queries are the last ``Tq`` of ``Tk`` positions (``Tk >= Tq``): query ``i`` sees keys
-``j <= Tk - Tq + i``, as :func:`torch.nn.attention.bias.causal_lower_right` masks them. This is what a
-continuing document's local queries compute over ``[earlier keys from other ranks, local keys]`` under
-context parallelism (``ops/attention/cp.py``). A sliding ``window`` keeps only keys ``j > Tk - Tq + i - window``
-too, and the key blocks wholly before it are skipped.
+``j <= Tk - Tq + i``, as :func:`torch.nn.attention.bias.causal_lower_right` masks them. A sliding ``window`` keeps
+only keys ``j > Tk - Tq + i - window`` too, and the key blocks wholly before it are skipped. Not causal
+(:func:`attention_forward` / :func:`attention_backward` with ``causal=False``), every query sees every key: a
+continuing document's queries over a piece of its earlier keys. These are the pure-torch partial form of
+context-parallel attention (``ops/attention/partial.py``, ``ops/attention/ring.py``): the CPU oracle and the
+fallback of every backend without a partial form of its own.
 
 Forward walks query blocks and, for each, the key blocks up to its diagonal (the blocks entirely above it
 are never touched), keeping a running row maximum and sum (float32; float64 for float64 inputs). It saves
 only ``q, k, v``, the output and the per-row log-sum-exp. Backward recomputes each block's probabilities
-from that log-sum-exp and forms ``dS = P * (dP - rowsum(dO * O))`` (flash-attention 2), accumulating
-``dq, dk, dv`` block by block. Beyond the inputs, outputs and gradients, no tensor is larger than
-``block * block * H`` elements: never a ``[Tq, Tk]`` score or mask. Grouped-query attention needs no
-repeated keys: a block's ``G = H / Hkv`` query heads per key/value head are stacked as extra rows of one
-matrix product with that head's keys.
+from that log-sum-exp (or from a merged one: :func:`attention_backward`) and forms
+``dS = P * (dP - rowsum(dO * O))`` (flash-attention 2), accumulating ``dq, dk, dv`` block by block. Beyond the
+inputs, outputs and gradients, no tensor is larger than ``block * block * H`` elements: never a ``[Tq, Tk]``
+score or mask. Grouped-query attention needs no repeated keys: a block's ``G = H / Hkv`` query heads per
+key/value head are stacked as extra rows of one matrix product with that head's keys.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 
 from hybrid_pack.errors import InputError
 
-__all__ = ["lower_right_causal_attention", "lower_right_causal_attention_with_lse"]
+__all__ = ["lower_right_causal_attention", "lower_right_causal_attention_with_lse", "attention_forward",
+           "attention_backward"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -112,14 +115,18 @@ def _unrows(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.reshape(length, -1, *x.shape[3:])
 
 
-def _key_blocks(start: int, stop: int, offset: int, block: int, device: torch.device, window: int | None
-                ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+def _key_blocks(start: int, stop: int, offset: int, block: int, device: torch.device, window: int | None,
+                full: int | None = None) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """The key blocks queries ``[start, stop)`` see: ``(key_start, key_stop, mask)``.
 
     Keys run up to the last query's diagonal ``offset + stop - 1`` (and, with a window, from the first query's
     ``offset + start - window + 1``); blocks beyond are skipped. ``mask`` ``[stop - start, key_stop - key_start]``
     is True where a query does not see a key (above the diagonal, or ``window`` or more behind it), or None where
-    every query sees every key of the block."""
+    every query sees every key of the block. ``full``: every query sees all ``full`` keys (not causal), unmasked."""
+    if full is not None:
+        for key_start in range(0, full, block):
+            yield key_start, min(key_start + block, full), None
+        return
     end = offset + stop
     low = 0 if window is None else max(0, offset + start - window + 1)
     queries = torch.arange(start + offset, end, device=device)
@@ -147,11 +154,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, groups:
     return scores
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, window: int | None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The online-softmax forward: ``(out [Tq, H, D] in q's dtype, lse [Tq, H] in the accumulator dtype)``."""
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
+                      window: int | None = None, block: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online-softmax forward, outside autograd: ``(out [Tq, H, D] in q's dtype, lse [Tq, H] in the
+    accumulator dtype)``. ``causal``: bottom right (``Tk >= Tq``); not causal: every query sees every key."""
     num_queries, num_heads = q.shape[:2]
     kv_heads, groups, offset = k.shape[1], q.shape[1] // k.shape[1], k.shape[0] - q.shape[0]
+    full = None if causal else k.shape[0]
     acc = _accumulator_dtype(q.dtype)
     out = torch.empty_like(q)
     lse = torch.empty(num_queries, num_heads, dtype=acc, device=q.device)
@@ -163,7 +172,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bl
         numerator = torch.zeros_like(q_block)
         # A row may see no key of a block (before its window, or past its diagonal): until it sees one, its
         # maximum is -inf, and the block's scores are shifted by 0 instead (exp(-inf) = 0, never -inf - -inf).
-        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device, window):
+        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device, window, full):
             scores = _scores(q_block, _rows(k, key_start, key_stop, kv_heads, acc), mask, groups)
             new_max = torch.maximum(row_max, scores.amax(dim=2))
             shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
@@ -178,12 +187,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bl
     return out, lse
 
 
-def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              grad_out: torch.Tensor, grad_lse: torch.Tensor | None, scale: float, block: int, window: int | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` from scores recomputed block by block against the saved log-sum-exp."""
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, *, scale: float, causal: bool = True, window: int | None = None,
+                       block: int = 512, grad_lse: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from scores recomputed block by block against ``lse``, outside autograd.
+
+    ``out`` and ``lse`` may be those of attention over *more* keys than ``k`` (this call's keys merged with
+    others by their log-sum-exp): the probabilities ``exp(s - lse)`` and ``rowsum(dO * out)`` are then the merged
+    attention's, and the gradients are exactly those reaching ``q`` (this part of them), ``k`` and ``v``."""
     num_queries = q.shape[0]
     kv_heads, groups, offset = k.shape[1], q.shape[1] // k.shape[1], k.shape[0] - q.shape[0]
+    full = None if causal else k.shape[0]
     acc = lse.dtype
     grad_q = torch.empty_like(q)
     grad_k = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -198,7 +213,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
             delta = delta - _rows(grad_lse, start, stop, kv_heads, acc)
         row_lse = _rows(lse, start, stop, kv_heads, acc)
         grad_q_block = torch.zeros_like(q_block)
-        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device, window):
+        for key_start, key_stop, mask in _key_blocks(start, stop, offset, block, q.device, window, full):
             k_block = _rows(k, key_start, key_stop, kv_heads, acc)
             v_block = _rows(v, key_start, key_stop, kv_heads, acc)
             probs = _scores(q_block, k_block, mask, groups, shift=row_lse).exp_()
@@ -216,7 +231,7 @@ class _LowerRightCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int,
                 window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _forward(q, k, v, scale, block, window)
+        out, lse = attention_forward(q, k, v, scale=scale, window=window, block=block)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.block, ctx.window = scale, block, window
         ctx.set_materialize_grads(False)
@@ -227,5 +242,6 @@ class _LowerRightCausalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grads = _backward(q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.block, ctx.window)
+        grads = attention_backward(grad_out, q, k, v, out, lse, scale=ctx.scale, window=ctx.window, block=ctx.block,
+                                   grad_lse=grad_lse)
         return *grads, None, None, None

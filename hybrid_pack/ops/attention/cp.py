@@ -1,16 +1,20 @@
 """Causal attention on one rank's slice of a row split across a context-parallel group (docs/parallel.md).
 
 Only the first segment of each of this rank's chunks can have earlier keys elsewhere (a document that
-began before the chunk: on another rank, or on this one for the zigzag layout's later chunk). The rank
-receives, before each chunk, that document's earlier keys and values (both in one exchange,
-:func:`~hybrid_pack.ops.cp.exchange.with_preceding_tokens`); the document's queries in the chunk attend
-to ``[earlier, in the chunk]`` keys with the causal diagonal aligned to the bottom right (query ``i`` sees
-keys ``<= halo + i``), blockwise with an online softmax
-(:func:`~hybrid_pack.ops.attention.blockwise.lower_right_causal_attention`: never a ``[Tq, Tk]`` score or
-mask). Every other local segment runs the single-device op (the selected backend) in one call. Keys' and
-values' gradients go back to the tokens they came from. Serves every layout: under zigzag a rank's late
-chunk (long halos) balances its early one. Elements received per rank: ``2 * Hkv * D`` per earlier token of
-each chunk's continuing document.
+began before the chunk: on another rank, or on this one for the zigzag layout's later chunk): the chunk's
+*head*. Every other local segment runs the single-device op (the selected backend) in one call. The heads run
+the selected backend's partial form (:mod:`hybrid_pack.ops.attention.partial`: flash-attn, flex, else the
+blockwise oracle), causal with the diagonal bottom right:
+
+- no window: ring passes over the document's earlier keys, one chunk-sized piece at a time, merged by
+  log-sum-exp, the next piece's exchange overlapping this one's compute (:mod:`hybrid_pack.ops.attention.ring`):
+  a rank holds at most two pieces of others' keys and values, never the whole earlier document;
+- a sliding ``window``: a head sees at most ``window - 1`` earlier keys, fetched in one exchange
+  (:func:`~hybrid_pack.ops.cp.exchange.with_preceding_tokens` with ``limit=window - 1``), then one bottom-right
+  call over ``[those keys, its own]``.
+
+Keys' and values' gradients go back to the ranks holding them. Serves every layout: under zigzag a rank's late
+chunk (long heads) balances its early one.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.attention.blockwise import lower_right_causal_attention
+from hybrid_pack.ops.attention.check import OP, signature_of
+from hybrid_pack.ops.attention.partial import PartialAttention, attend, partial_attention_of
+from hybrid_pack.ops.attention.ring import ring_attention, ring_plan
 from hybrid_pack.ops.cp.exchange import with_preceding_tokens
+from hybrid_pack.ops.dispatch.selector import resolve
 
 __all__ = ["varlen_attention_cp"]
 
 
 def _other_segments(boundaries: ShardedBoundaries, halos: tuple[int, ...]) -> PackedBoundaries | None:
-    """Plain boundaries of the local segments but each chunk's first where its halo is not empty, in order
-    (None when there are none)."""
+    """Plain boundaries of the local segments but each chunk's head (first segment where its halo is not empty), in
+    order (None when there are none)."""
     def build() -> PackedBoundaries | None:
         lengths: list[int] = []
         for halo, segments in zip(halos, boundaries.chunk_segments, strict=True):
@@ -42,7 +49,24 @@ def _other_segments(boundaries: ShardedBoundaries, halos: tuple[int, ...]) -> Pa
         return PackedBoundaries.from_lengths(lengths, device=boundaries.device,
                                              num_pad_tokens=lengths[-1] if padding else 0)
 
-    return boundaries.view(("attention_other_segments", halos), build)
+    return boundaries.view(("attention_other_segments", tuple(map(bool, halos))), build)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` joined along tokens (the one part itself, uncopied, when there is one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _partial_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window: int | None,
+                  backend: str | None) -> PartialAttention:
+    """The partial form of the backend the selector picks for this call on a whole row (the one the other
+    segments run on): a kernel serves it only after its self-check, which covers these shapes."""
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    inputs = {"q": q, "k": k, "v": v, "causal": True, "softmax_scale": softmax_scale, "window": window,
+              "requires_grad": requires_grad}
+    chosen = resolve(OP, device=q.device, dtype=q.dtype, requires_grad=requires_grad, backend=backend,
+                     inputs=inputs, signature=signature_of(q, k, v, True, window))
+    return partial_attention_of(chosen.name)
 
 
 def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,8 +81,8 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
         boundaries: this rank's :class:`ShardedBoundaries` (a collective over its group).
         causal: must be True (a bidirectional document would also need its later tokens' keys).
         softmax_scale: multiplies ``q @ k^T``.
-        window: sliding window (keys each query sees, itself included); the blockwise attention of a continuing
-            document skips its received earlier keys that lie outside every local query's window.
+        window: sliding window (keys each query sees, itself included): a head fetches only the ``window - 1``
+            keys before its chunk.
 
     Returns:
         ``[1, T_local, H, D]``.
@@ -68,32 +92,47 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
                          "across ranks would need keys from later ranks); run causal=False unsharded")
     boundaries.check_group()
     local = functools.partial(op, causal=True, softmax_scale=softmax_scale, window=window, backend=backend)
-    # The exchange's output feeds every result, so every rank runs its backward (a collective).
-    keys_values, halos = with_preceding_tokens(torch.stack([k[0], v[0]], dim=1), boundaries)
-    if not any(halos):
-        return local(q, keys_values[None, :, 0], keys_values[None, :, 1], boundaries.local)
-    heads: list[torch.Tensor | None] = []
-    other_queries, other_keys_values, other_lengths = [], [], []
-    at_local = at_extended = 0
-    for halo, segments, (_, length) in zip(halos, boundaries.chunk_segments, boundaries.chunks, strict=True):
+    halos = boundaries.chunk_first_positions[boundaries.rank]
+    plan = ring_plan(boundaries)
+    if not plan.passes and not plan.heads and window is None:
+        return local(q, k, v, boundaries.local)
+    partial = _partial_form(q, k, v, softmax_scale, window, backend)
+    if window is None:
+        # Every rank runs the ring, forward and backward (its exchanges are collectives).
+        ring = ring_attention(q[0], k[0], v[0], boundaries, partial=partial, scale=softmax_scale)
+        heads = ring.split([length for _, length in plan.heads]) if plan.heads else ()
+        keys, values, limits = k[0], v[0], (0,) * len(halos)
+    else:
+        # The exchange's output feeds every result, so every rank runs its backward (a collective).
+        extended, limits = with_preceding_tokens(torch.stack([k[0], v[0]], dim=1), boundaries, limit=window - 1)
+        keys, values = extended[:, 0], extended[:, 1]
+    head_outputs: list[torch.Tensor | None] = []
+    other_queries, other_keys, other_values, other_lengths = [], [], [], []
+    at_local = at_keys = 0
+    for halo, limit, segments, (_, length) in zip(halos, limits, boundaries.chunk_segments, boundaries.chunks,
+                                                  strict=True):
         first = segments[0] if halo else 0
-        if halo:
-            head_kv = keys_values[at_extended:at_extended + halo + first]
-            heads.append(lower_right_causal_attention(q[0, at_local:at_local + first], head_kv[:, 0], head_kv[:, 1],
-                                                      scale=softmax_scale, window=window))
+        if halo and window is None:
+            head_outputs.append(heads[sum(h is not None for h in head_outputs)])
+        elif halo:
+            span = slice(at_keys, at_keys + limit + first)
+            head_outputs.append(attend(partial, q[0, at_local:at_local + first], keys[span], values[span],
+                                       scale=softmax_scale, causal=True, window=window))
         else:
-            heads.append(None)
+            head_outputs.append(None)
         other_queries.append(q[0, at_local + first:at_local + length])
-        other_keys_values.append(keys_values[at_extended + halo + first:at_extended + halo + length])
+        other_keys.append(keys[at_keys + limit + first:at_keys + limit + length])
+        other_values.append(values[at_keys + limit + first:at_keys + limit + length])
         other_lengths.append(length - first)
-        at_local, at_extended = at_local + length, at_extended + halo + length
+        at_local, at_keys = at_local + length, at_keys + limit + length
     rest = _other_segments(boundaries, halos)
     if rest is not None:
-        others = torch.cat(other_keys_values)
-        outputs = local(torch.cat(other_queries)[None], others[None, :, 0], others[None, :, 1], rest)[0]
+        outputs = local(*(_joined(parts)[None] for parts in (other_queries, other_keys, other_values)), rest)[0]
         other_outputs = outputs.split(other_lengths)
     else:
-        other_outputs = [q.new_empty(0, *q.shape[2:])] * len(heads)
-    pieces = [piece for head, other in zip(heads, other_outputs, strict=True)
+        other_outputs = [q.new_empty(0, *q.shape[2:])] * len(head_outputs)
+    pieces = [piece for head, other in zip(head_outputs, other_outputs, strict=True)
               for piece in ((other,) if head is None else (head, other))]
-    return torch.cat(pieces)[None]
+    if window is None and not plan.heads:
+        pieces.append(ring)  # empty here, but in the graph: this rank's backward sends its pieces' gradients
+    return _joined(pieces)[None]

@@ -14,6 +14,10 @@ meet which blocks of keys, and which of those lie wholly inside one document) an
 straddle no document are skipped. ``mask_mod`` (same segment, and causal) refines the partial blocks.
 A sliding window also skips the key blocks wholly before it (``mask_mod`` adds ``q_idx - kv_idx < window``).
 On CPU flex attention runs eagerly (it materialises the scores: a check, not a fast path).
+
+:data:`PARTIAL` is its form for context-parallel attention (:mod:`hybrid_pack.ops.attention.partial`): one
+document's queries over more keys, causal with the diagonal bottom right (an offset mask ``Tk - Tq + q_idx >=
+kv_idx``) or over earlier keys all seen (no mask), returning its log-sum-exp (differentiable) beside the output.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.ops.attention.partial import from_differentiable
 
-__all__ = ["varlen_attention", "document_block_mask", "bucket_length", "padded_segment_ids", "BLOCK"]
+__all__ = ["varlen_attention", "document_block_mask", "bucket_length", "padded_segment_ids", "BLOCK", "PARTIAL"]
 
 BLOCK = 128  # the block mask's granularity, a multiple of every kernel tile flex attention picks
 
@@ -130,3 +135,32 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
     out = attend(q, k, v, block_mask=document_block_mask(boundaries, causal, window), scale=softmax_scale,
                  enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[:, :total]
+
+
+def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One document's queries ``q [Tq, H, D]`` over keys ``k, v [Tk, Hkv, D]``: causal bottom right (the queries
+    are the last ``Tq`` positions; ``window`` keys each at most) or, not causal, every key seen.
+
+    Returns:
+        ``(out [Tq, H, D] in q's dtype, lse [Tq, H])``, both differentiable.
+    """
+    num_queries, num_keys = q.shape[0], k.shape[0]
+    mask = None
+    if causal:
+        offset = num_keys - num_queries
+
+        def bottom_right(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+                         ) -> torch.Tensor:
+            distance = q_idx + offset - kv_idx
+            return (distance >= 0) & (distance < window) if window is not None else distance >= 0
+
+        mask = create_block_mask(bottom_right, None, None, num_queries, num_keys, device=q.device,
+                                 _compile=q.device.type == "cuda")
+    out, aux = _attend(q.device)(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                 block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                 return_aux=AuxRequest(lse=True))
+    return out[0].transpose(0, 1), aux.lse[0].transpose(0, 1)
+
+
+PARTIAL = from_differentiable("flex", attend_part)

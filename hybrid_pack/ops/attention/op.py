@@ -64,6 +64,8 @@ def _check_window(window: int | None, causal: bool) -> None:
 
 ROUTE = OpRoute(
     OP, varlen_attention, positional=("q", "k", "v"),
+    key=lambda a: (a["q"].shape[2:], a["k"].shape[2], a["causal"], a["window"], a["q"].dtype, a["k"].dtype,
+                   a["v"].dtype),
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["causal"], a["window"]), sharded=varlen_attention_cp,
     opaque=PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale, int? window",
                           varlen_attention),

@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.buckets import BucketLayout
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
-                     causal: bool, softmax_scale: float, window: int | None = None) -> torch.Tensor:
+                     causal: bool, softmax_scale: float, window: int | None = None,
+                     buckets: BucketLayout | None = None) -> torch.Tensor:
     """Attention where each token sees only tokens of its own segment.
 
     Args:
@@ -31,11 +33,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundari
         causal: mask future tokens.
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
         window: causal only: query ``i`` sees keys ``j`` with ``0 <= i - j < window`` (None: every earlier key).
+        buckets: the padded batch the segments run in (None: :meth:`PackedBoundaries.bucket_layout`;
+            :func:`hybrid_pack.batch_invariant` passes its canonical one).
 
     Returns:
         ``[1, T, H, D]`` in the dtype of ``q``.
     """
-    layout = boundaries.bucket_layout()
+    layout = boundaries.bucket_layout() if buckets is None else buckets
     num_heads, num_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     if q.device.type == "cuda" and num_heads != num_kv_heads:
         # On CUDA, SDPA's enable_gqa runs only in the flash and math kernels; repeating the kv heads keeps

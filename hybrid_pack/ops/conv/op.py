@@ -10,7 +10,7 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
 
@@ -47,6 +47,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 ROUTE = OpRoute(
     OP, causal_conv1d, positional=("x", "weight", "bias"),
+    key=lambda a: (a["x"].shape[2], a["weight"].shape[1], a["activation"], a["x"].dtype, a["weight"].dtype,
+                   dtype_of(a["bias"])),
     signature=lambda a: signature_of(a["x"], a["weight"], a["bias"], a["activation"]), sharded=causal_conv1d_cp,
     opaque=PackedCustomOp("causal_conv1d", ("x", "weight", "bias?"), "str? activation", causal_conv1d),
     from_opaque=lambda outputs, _: outputs[0],

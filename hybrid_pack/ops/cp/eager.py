@@ -11,6 +11,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.ops.compiler import disable
 
 __all__ = ["Op", "eager_on_shards"]
 
@@ -26,7 +27,7 @@ def eager_on_shards(op: Op) -> Op:
     The eager call's output tensors get row-major strides: a context-parallel path may return a slice of a longer
     tensor (the halo cut off), whose strides, which the graph after the call guards, would change with the layout.
     """
-    @torch.compiler.disable(recursive=True)
+    @disable
     def eager(*args: Any, **kwargs: Any) -> Any:
         return tree_map(_row_major, op(*args, **kwargs))
 

@@ -7,15 +7,17 @@ so gradients cross ranks exactly as they cross positions on one device. Who send
 on the host from the row's boundaries and the layout, which every rank holds, so nothing is negotiated at
 run time: a rank that has nothing to send or receive posts nothing.
 
-Two exchanges use it. :func:`with_preceding_tokens`: before each of a rank's chunks, some of the tokens of
-the chunk's first document that precede the chunk in the row (the conv its last ``W - 1`` inputs,
-attention all its keys and values). :mod:`hybrid_pack.ops.cp.relayout`: a rank's tokens under another
-layout.
+:func:`with_preceding_tokens`: before each of a rank's chunks, some of the tokens of the chunk's first document
+that precede the chunk in the row (the conv its last ``W - 1`` inputs, windowed attention its last ``window - 1``
+keys and values). :mod:`hybrid_pack.ops.cp.relayout`: a rank's tokens under another layout. Context-parallel
+attention's ring (:mod:`hybrid_pack.ops.attention.ring`) posts one planned exchange per pass with
+:func:`post_tokens` / :func:`post_gradients` and overlaps it with the previous pass's compute.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,8 @@ import torch.distributed as dist
 
 from hybrid_pack.boundaries.sharded import Chunk, ShardedBoundaries
 
-__all__ = ["TokenExchange", "plan_exchange", "exchange_tokens", "HaloPlan", "halo_plan", "with_preceding_tokens"]
+__all__ = ["TokenExchange", "plan_exchange", "exchange_tokens", "exchange_tokens_together", "PendingExchange",
+           "post_tokens", "post_gradients", "HaloPlan", "halo_plan", "with_preceding_tokens"]
 
 Piece = tuple[int, int, int]
 """``(rank, start, stop)``: tokens ``[start, stop)`` of what ``rank`` contributes (its local tokens when it is
@@ -105,9 +108,25 @@ def _local_starts(chunks: Sequence[Chunk]) -> list[int]:
     return starts
 
 
-def _exchange(group: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, int]],
-              like: torch.Tensor) -> list[torch.Tensor]:
-    """Send each ``(peer, tensor)``, receive ``(peer, count)`` tokens shaped like ``like[0]``; wait for all."""
+class PendingExchange:
+    """One rank's part of a posted exchange (its sends and receives in flight): :meth:`wait` returns the result.
+
+    What a caller overlaps with compute: post the next exchange, compute on the last one's result, then wait."""
+
+    def __init__(self, requests: list[Any], finish: Any) -> None:
+        self._requests, self._finish = requests, finish
+
+    def wait(self) -> torch.Tensor:
+        """Wait for this rank's sends and receives and return the assembled tensor."""
+        for request in self._requests:
+            request.wait()
+        return self._finish()
+
+
+def _post(group: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, int]],
+          like: torch.Tensor) -> tuple[list[Any], list[torch.Tensor]]:
+    """Post each send ``(peer, tensor)`` and each receive of ``(peer, count)`` tokens shaped like ``like[0]``:
+    ``(requests, receive buffers)``."""
     buffers = [like.new_empty((count, *like.shape[1:])) for _, count in incoming]
 
     def global_rank(peer: int) -> int:
@@ -116,47 +135,153 @@ def _exchange(group: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: li
     ops = [dist.P2POp(dist.isend, tensor.contiguous(), global_rank(peer), group) for peer, tensor in outgoing]
     ops += [dist.P2POp(dist.irecv, buffer, global_rank(peer), group)
             for (peer, _), buffer in zip(incoming, buffers, strict=True)]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return buffers
+    return (dist.batch_isend_irecv(ops) if ops else []), buffers
 
 
 def _joined(tokens: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([tokens[start:stop] for start, stop in ranges])
 
 
-class _ExchangeTokens(torch.autograd.Function):
-    """``[T_local, ...]`` -> ``[sum of the pieces, ...]``; the backward returns received tokens' gradients to
-    their owners and adds the local pieces' to the local tokens."""
+def _exchange(group: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, int]],
+              like: torch.Tensor) -> list[torch.Tensor]:
+    """Send each ``(peer, tensor)``, receive ``(peer, count)`` tokens shaped like ``like[0]``; wait for all."""
+    requests, buffers = _post(group, outgoing, incoming, like)
+    for request in requests:
+        request.wait()
+    return buffers
 
-    @staticmethod
-    def forward(ctx: Any, tokens: torch.Tensor, plan: TokenExchange, group: Any) -> torch.Tensor:
-        ctx.plan, ctx.group, ctx.num_tokens = plan, group, tokens.shape[0]
-        outgoing = [(peer, _joined(tokens, ranges)) for peer, ranges in plan.outgoing()]
-        messages = dict(zip([peer for peer, _ in plan.receives],
-                            _exchange(group, outgoing, list(plan.receives), tokens), strict=True))
+
+def post_tokens(tokens: torch.Tensor, plan: TokenExchange, group: Any) -> PendingExchange:
+    """Post ``plan``'s exchange of ``tokens`` ``[T_local, ...]`` (not differentiable); :meth:`PendingExchange.wait`
+    returns the assembled ``[sum of the pieces' lengths, ...]``. A collective over ``group``."""
+    outgoing = [(peer, _joined(tokens, ranges)) for peer, ranges in plan.outgoing()]
+    requests, buffers = _post(group, outgoing, list(plan.receives), tokens)
+
+    def finish() -> torch.Tensor:
+        messages = dict(zip([peer for peer, _ in plan.receives], buffers, strict=True))
         messages[plan.rank] = tokens
-        return torch.cat([messages[source][start:stop] for source, start, stop in plan.pieces])
+        pieces = [messages[source][start:stop] for source, start, stop in plan.pieces]
+        return torch.cat(pieces) if pieces else tokens[:0]  # a rank that only sends in this exchange
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        plan = ctx.plan
-        grads = {peer: grad.new_zeros((count, *grad.shape[1:])) for peer, count in plan.receives}
-        grad_tokens = grads[plan.rank] = grad.new_zeros((ctx.num_tokens, *grad.shape[1:]))
-        at = 0
-        for source, start, stop in plan.pieces:
-            grads[source][start:stop] += grad[at:at + stop - start]
-            at += stop - start
-        outgoing = plan.outgoing()
-        returned = _exchange(ctx.group, [(peer, grads[peer]) for peer, _ in plan.receives],
-                             [(peer, sum(stop - start for start, stop in ranges)) for peer, ranges in outgoing], grad)
-        for (_, ranges), message in zip(outgoing, returned, strict=True):
+    return PendingExchange(requests, finish)
+
+
+def post_gradients(grad: torch.Tensor, plan: TokenExchange, group: Any, num_tokens: int) -> PendingExchange:
+    """Post the backward of :func:`post_tokens`: ``grad`` ``[sum of the pieces' lengths, ...]`` of the assembled
+    tokens goes back to the tokens' owners; :meth:`PendingExchange.wait` returns this rank's ``[num_tokens, ...]``
+    (the received gradients and the local pieces', summed). A collective over ``group``."""
+    grads = {peer: grad.new_zeros((count, *grad.shape[1:])) for peer, count in plan.receives}
+    grad_tokens = grads[plan.rank] = grad.new_zeros((num_tokens, *grad.shape[1:]))
+    at = 0
+    for source, start, stop in plan.pieces:
+        grads[source][start:stop] += grad[at:at + stop - start]
+        at += stop - start
+    outgoing = plan.outgoing()
+    requests, buffers = _post(group, [(peer, grads[peer]) for peer, _ in plan.receives],
+                              [(peer, sum(stop - start for start, stop in ranges)) for peer, ranges in outgoing], grad)
+
+    def finish() -> torch.Tensor:
+        for (_, ranges), message in zip(outgoing, buffers, strict=True):
             at = 0
             for start, stop in ranges:
                 grad_tokens[start:stop] += message[at:at + stop - start]
                 at += stop - start
-        return grad_tokens, None, None
+        return grad_tokens
+
+    return PendingExchange(requests, finish)
+
+
+def _as_bytes(tensors: Sequence[torch.Tensor], num_tokens: int) -> torch.Tensor:
+    """``[num_tokens, ...]`` tensors of any dtypes -> one ``uint8 [num_tokens, bytes per token]`` (each token's
+    bytes of every tensor side by side): what travels, so tensors of several dtypes go in one message."""
+    rows = [t.contiguous().reshape(num_tokens, math.prod(t.shape[1:])).view(torch.uint8) for t in tensors]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+
+
+def _byte_columns(likes: Sequence[tuple[torch.dtype, torch.Size]]) -> list[tuple[int, int]]:
+    """Each tensor's ``[start, stop)`` columns in :func:`_as_bytes`' rows (``likes``: dtype and per-token shape)."""
+    columns, at = [], 0
+    for dtype, shape in likes:
+        width = math.prod(shape) * dtype.itemsize
+        columns.append((at, at + width))
+        at += width
+    return columns
+
+
+class _ExchangeTokensTogether(torch.autograd.Function):
+    """Tensors ``[T_local, ...]`` -> each one's ``[sum of the pieces, ...]``, all in one round of messages (one per
+    peer, every tensor's bytes side by side). The backward returns received tokens' gradients to their owners in
+    one round too, summed in each tensor's dtype, and adds the local pieces' to the local tokens."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: TokenExchange, group: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        num_tokens = tensors[0].shape[0]
+        likes = [(t.dtype, t.shape[1:]) for t in tensors]
+        ctx.plan, ctx.group, ctx.num_tokens, ctx.likes = plan, group, num_tokens, likes
+        local = _as_bytes(tensors, num_tokens)
+        outgoing = [(peer, _joined(local, ranges)) for peer, ranges in plan.outgoing()]
+        messages = dict(zip([peer for peer, _ in plan.receives],
+                            _exchange(group, outgoing, list(plan.receives), local), strict=True))
+        messages[plan.rank] = local
+        outputs = tuple(
+            torch.cat([messages[source][start:stop, lo:hi] for source, start, stop in plan.pieces])
+            .view(dtype).view(-1, *shape)
+            for (lo, hi), (dtype, shape) in zip(_byte_columns(likes), likes, strict=True))
+        ctx.mark_non_differentiable(*(out for out in outputs if not out.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan, num_tokens = ctx.plan, ctx.num_tokens
+        floating = [i for i, (dtype, _) in enumerate(ctx.likes) if dtype.is_floating_point]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in floating:
+            by_dtype.setdefault(ctx.likes[i][0], []).append(i)
+        length = sum(stop - start for _, start, stop in plan.pieces)
+        # Per dtype: every floating output's gradient side by side, [length, features], summed per source.
+        sums: dict[torch.dtype, dict[int, torch.Tensor]] = {}
+        for dtype, members in by_dtype.items():
+            width = sum(math.prod(ctx.likes[i][1]) for i in members)
+            columns = torch.cat([(grads[i] if grads[i] is not None else
+                                  torch.zeros(length, *ctx.likes[i][1], dtype=dtype, device=_device(grads)))
+                                 .reshape(length, -1) for i in members], dim=1)
+            per_source = {peer: columns.new_zeros(count, width) for peer, count in plan.receives}
+            per_source[plan.rank] = columns.new_zeros(num_tokens, width)
+            at = 0
+            for source, start, stop in plan.pieces:
+                per_source[source][start:stop] += columns[at:at + stop - start]
+                at += stop - start
+            sums[dtype] = per_source
+        outgoing = plan.outgoing()
+        returned = _exchange(ctx.group, [(peer, _as_bytes([sums[d][peer] for d in by_dtype], count))
+                                         for peer, count in plan.receives],
+                             [(peer, sum(stop - start for start, stop in ranges)) for peer, ranges in outgoing],
+                             _as_bytes([sums[d][plan.rank][:0] for d in by_dtype], 0))
+        local = {dtype: per_source[plan.rank] for dtype, per_source in sums.items()}
+        for (_, ranges), message in zip(outgoing, returned, strict=True):
+            lo = 0
+            for dtype, per_source in sums.items():
+                width = per_source[plan.rank].shape[1]
+                hi = lo + width * dtype.itemsize
+                received = message[:, lo:hi].contiguous().view(dtype)
+                at = 0
+                for start, stop in ranges:
+                    local[dtype][start:stop] += received[at:at + stop - start]
+                    at += stop - start
+                lo = hi
+        grads_in: list[torch.Tensor | None] = [None] * len(ctx.likes)
+        for dtype, members in by_dtype.items():
+            at = 0
+            for i in members:
+                width = math.prod(ctx.likes[i][1])
+                grads_in[i] = local[dtype][:, at:at + width].unflatten(1, ctx.likes[i][1]) \
+                    if ctx.likes[i][1] else local[dtype][:, at]
+                at += width
+        return None, None, *grads_in
+
+
+def _device(grads: Sequence[torch.Tensor | None]) -> torch.device:
+    return next(g.device for g in grads if g is not None)
 
 
 def exchange_tokens(tokens: torch.Tensor, plan: TokenExchange, group: Any) -> torch.Tensor:
@@ -171,7 +296,29 @@ def exchange_tokens(tokens: torch.Tensor, plan: TokenExchange, group: Any) -> to
     Returns:
         ``[sum of the pieces' lengths, ...]``; differentiable: each token's gradient flows back to its owner.
     """
-    return _ExchangeTokens.apply(tokens, plan, group)
+    (out,) = exchange_tokens_together([tokens], plan, group)
+    return out
+
+
+def exchange_tokens_together(tensors: Sequence[torch.Tensor], plan: TokenExchange,
+                             group: Any) -> tuple[torch.Tensor, ...]:
+    """:func:`exchange_tokens` of several tensors in one round: one message per peer carries every tensor's
+    tokens (their bytes side by side, whatever their dtypes), and the backward returns the gradients in one round.
+
+    A collective over ``group``: every rank calls it with tensors of the same dtypes and trailing shapes, in the
+    same order.
+
+    Args:
+        tensors: ``[T_local, ...]`` each (one ``T_local``; any trailing shapes and dtypes).
+        plan: this rank's :class:`TokenExchange`.
+
+    Returns:
+        Each tensor's ``[sum of the pieces' lengths, ...]``; differentiable (floating tensors): each token's
+        gradient flows back to its owner.
+    """
+    if not tensors:
+        return ()
+    return _ExchangeTokensTogether.apply(plan, group, *tensors)
 
 
 @dataclass(frozen=True)

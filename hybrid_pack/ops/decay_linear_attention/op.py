@@ -11,7 +11,7 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.decay_linear_attention.check import OP, signature_of
 from hybrid_pack.ops.decay_linear_attention.cp import decay_linear_attention_cp
-from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
 
@@ -79,6 +79,8 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state:
 
 ROUTE = OpRoute(
     OP, decay_linear_attention, positional=("q", "k", "v", "g"),
+    key=lambda a: (a["q"].shape[2:], a["v"].shape[3], a["output_final_state"], a["q"].dtype, a["k"].dtype,
+                   a["v"].dtype, a["g"].dtype, dtype_of(a["initial_state"])),
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], initial_state=a["initial_state"],
                                      output_final_state=a["output_final_state"]),
     sharded=decay_linear_attention_cp,

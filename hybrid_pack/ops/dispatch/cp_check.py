@@ -6,7 +6,7 @@ context-parallel path on the same adversarial row split across the group (one-to
 both sides of a rank edge, a document over every rank, a padding segment), compares its slice of the
 outputs and of the gradients of one random projection within the dtype's tolerance, and the group
 all-reduces the verdict. It runs only inside the collective warm-up (:func:`hybrid_pack.backends.verify`),
-which settles the verdict for the group (:mod:`.agreement`); a call then only looks it up, so every rank
+which settles the verdict for the group (:mod:`.warmup`); a call then only looks it up, so every rank
 takes the same path: the two paths exchange differently, and ranks that disagreed would wait on each other
 forever.
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
-from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row, compare, tolerance_for
+from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row, compare, self_check_tolerance
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, signature_text
 from hybrid_pack.ops.dispatch.registry import contract_of
@@ -82,7 +82,7 @@ def cp_check(backend: Backend, signature: Signature, device: torch.device, requi
     try:
         actual, actual_grads = _outputs_and_grads(backend.op, backend.fn, case, sharded, requires_grad)
         expected, expected_grads = _outputs_and_grads(backend.op, reference, case, sharded, requires_grad)
-        tolerance = tolerance_for(case.arguments[n].dtype for n in case.token_inputs
+        tolerance = self_check_tolerance(case.arguments[n].dtype for n in case.token_inputs
                                   if isinstance(case.arguments.get(n), torch.Tensor))
         worst = compare("outputs", actual, expected, tolerance)
         worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))

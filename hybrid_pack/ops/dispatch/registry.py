@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.dispatch import agreement, verdicts
+from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import KERNEL_DTYPES, Backend
 from hybrid_pack.ops.dispatch.contract import OpContract
 
@@ -87,7 +87,7 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
     backend.static_fn  # noqa: B018  (resolved now: a compiled graph reads it while tracing)
     _BACKENDS[backend.op].append(backend)
     _BACKENDS[backend.op].sort(key=lambda b: -b.priority)
-    _forget(backend.op, backend.name)
+    verdicts.forget(backend.op, backend.name)
     return backend
 
 
@@ -95,14 +95,8 @@ def unregister(op: str, name: str) -> Backend:
     """Remove a backend (and forget its check results); returns it."""
     backend = get_backend(op, name)
     _BACKENDS[op].remove(backend)
-    _forget(op, name)
-    return backend
-
-
-def _forget(op: str, name: str) -> None:
-    """Drop a backend's check results, its own and those settled for the group."""
     verdicts.forget(op, name)
-    agreement.forget(op, name)
+    return backend
 
 
 def backends_of(op: str, *, sharded: bool | None = False) -> list[Backend]:

@@ -1,12 +1,15 @@
-"""Choosing the backend that runs a call: priority, forcing, the environment override, and evidence.
+"""Choosing the backend that runs a call: priority, forcing, the environment override, and settled verdicts.
 
-A kernel backend serves a call only after it has passed the self-check for that call's key (op,
-device, dtype, whether gradients are needed, the call's signature): results are kept for the
-process and on disk (:mod:`.verdicts`), and under ``torch.distributed`` settled for the whole group by
-:func:`hybrid_pack.backends.verify` (:mod:`.agreement`). Choosing is a local lookup: it never communicates.
-An automatic choice skips a backend that cannot run, cannot take the inputs, or failed its check, and logs
-why once; a backend forced by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS`` raises
-:class:`BackendUnavailableError` instead.
+A kernel backend serves a call only with a *settled* verdict for the call's key (op, backend, device, signature,
+gradients): settled by :func:`hybrid_pack.backends.verify`, the one warm-up (collective under ``torch.distributed``),
+or, in a single eager process, by the first call of the key, which runs the same self-check. Where no check may run
+(under ``torch.distributed``, inside a ``torch.compile`` trace or a CUDA graph capture) a kernel that could serve
+but has no settled verdict raises :class:`WarmUpError` naming the call to make: never a silent fallback.
+
+:func:`resolve` is the full choice; the ops' routes keep its answer per call key in :data:`verdicts.CHOICES`, so a
+call pays one dictionary look-up. An automatic choice skips a backend that cannot run, cannot take the inputs, or
+failed its check (logged once); a backend forced by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS``
+raises :class:`BackendUnavailableError` instead.
 """
 
 from __future__ import annotations
@@ -23,28 +26,33 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import BackendUnavailableError, InputError
-from hybrid_pack.ops.dispatch import agreement, verdicts
+from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_backend, reference_of, registered_ops
 from hybrid_pack.ops.dispatch.selfcheck import run_check
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
-__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "resolve", "resolve_sharded", "static_choice", "describe", "select",
-           "use_backends", "verification_enabled", "verdict_for", "verdict_key", "local_verdict", "check_now",
-           "decisions", "discovering", "is_discovering", "resolve_invariant"]
+__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "Wanted", "WarmUpError", "resolve", "select", "use_backends",
+           "verification_enabled", "verdict_key", "local_verdict", "check_now", "decisions", "discovering",
+           "is_discovering", "recording_keys", "resolve_invariant", "forced_now", "forced_context", "tracing", "wanted"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
+WARM_UP = "hybrid_pack.backends.verify(model=model, batch=batch)"
 
 logger = logging.getLogger("hybrid_pack.backends")
 _logged: set[tuple[str, str, str]] = set()
 _forced: ContextVar[Mapping[str, str]] = ContextVar("hybrid_pack_forced_backends", default=MappingProxyType({}))
-_discovering: ContextVar[bool] = ContextVar("hybrid_pack_discovering_keys", default=False)
+_discovering: ContextVar[str] = ContextVar("hybrid_pack_discovering_keys", default="")
+_decisions: dict[tuple[Any, ...], Decision] = {}
+
+
+class WarmUpError(BackendUnavailableError):
+    """A kernel could serve a call whose verdict was not settled by the warm-up, where no check may run."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,22 @@ class Decision:
     forced: bool = False
 
 
-_decisions: dict[tuple[Any, ...], Decision] = {}
+@dataclass(frozen=True)
+class Wanted:
+    """A call key met in the warm-up's discovery pass, as the ranks exchange it (no tensors, no device index).
+
+    ``group_ranks``: for a call on a sharded row, its context-parallel group's ranks; ``()`` for a whole row.
+    """
+
+    op: str
+    device_type: str
+    dtype: str
+    requires_grad: bool
+    signature: Signature
+    group_ranks: tuple[int, ...] = ()
+
+
+_wanted: dict[Wanted, Any] = {}  # an ordered set; a sharded key maps to its process group
 
 
 def verification_enabled() -> bool:
@@ -78,8 +101,13 @@ def verification_enabled() -> bool:
     return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def tracing() -> bool:
+    """Inside a torch.compile trace or a CUDA graph capture: no check may run there."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _log_once(op: str, name: str, why: str) -> None:
-    if (op, name, why) not in _logged:
+    if (op, name, why) not in _logged and not recording_keys():
         _logged.add((op, name, why))
         logger.warning("%s: skipping backend %r: %s", op, name, why)
 
@@ -97,8 +125,6 @@ def _check_forced(mapping: Mapping[str, str], source: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=8)
 def _parse_env(raw: str) -> dict[str, str]:
-    if not raw:
-        return {}
     pairs = {}
     for item in filter(None, (p.strip() for p in raw.split(","))):
         op, sep, name = item.partition("=")
@@ -109,30 +135,28 @@ def _parse_env(raw: str) -> dict[str, str]:
     return _check_forced(pairs, ENV_VAR)
 
 
-def _forced_for(op: str) -> tuple[str | None, str]:
+def forced_now(op: str) -> tuple[str | None, str]:
+    """``(backend, source)`` forced for ``op`` by :func:`use_backends` or ``HYBRID_PACK_BACKENDS`` (else None)."""
     ctx = _forced.get()
     if op in ctx:
         return ctx[op], "use_backends()"
     env = _parse_env(os.environ.get(ENV_VAR, "").strip())
-    if op in env:
-        return env[op], ENV_VAR
-    return None, ""
+    return (env[op], ENV_VAR) if op in env else (None, "")
 
 
 @contextlib.contextmanager
 def use_backends(**forced: str) -> Iterator[None]:
     """Force backends inside a ``with`` block, e.g. ``use_backends(conv="torch", ssd="mamba_ssm")``."""
-    token = _forced.set({**_forced.get(), **_check_forced(forced, "use_backends")})
+    token = _forced.set(MappingProxyType({**_forced.get(), **_check_forced(forced, "use_backends")}))
     try:
         yield
     finally:
         _forced.reset(token)
 
 
-def _tracing() -> bool:
-    """Inside a torch.compile trace or a CUDA graph capture: no check may run there."""
-    compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
-    return compiling or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+def forced_context() -> Mapping[str, str]:
+    """The backends :func:`use_backends` forces here (read per call: one ``ContextVar`` read)."""
+    return _forced.get()
 
 
 def verdict_key(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
@@ -144,8 +168,7 @@ def verdict_key(backend: Backend, signature: Signature, device: torch.device, re
 
 def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> CheckResult:
     """``fn()`` on a thread of its own: grad and inference mode, autocast, saved-tensor hooks (activation
-    checkpointing) and dispatch modes are per thread, so the caller's do not reach the check (nor the check's
-    autograd graph the caller's)."""
+    checkpointing) and dispatch modes are per thread, so the caller's do not reach the check."""
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -165,14 +188,11 @@ def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> C
 
 
 def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
-    """Run the self-check of ``backend`` for this key now, on this rank only, and keep the result.
-
-    The result is kept for the process and on disk, so an environment checks each kernel once (docs/api.md §5a);
-    a check that ran out of memory is kept for this process only (another process may have held the memory).
-    """
-    if _tracing():
-        raise InputError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph capture "
-                         "or a torch.compile trace; run hybrid_pack.backends.verify() (or one eager step) before it")
+    """Run the self-check of ``backend`` for this key now, on this rank only, and keep the result (for the process
+    and on disk; a check that ran out of memory for this process only)."""
+    if tracing():
+        raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
+                          f"capture or a torch.compile trace; call {WARM_UP} before it")
     key = verdict_key(backend, signature, device, requires_grad)
     try:
         result = _in_a_clean_thread(lambda: run_check(backend, reference_of(backend.op), contract_of(backend.op),
@@ -190,9 +210,7 @@ def check_now(backend: Backend, signature: Signature, device: torch.device, requ
 def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
                   check: bool = True) -> CheckResult | None:
     """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now.
-
-    A key checked with gradients also serves the calls that need none. None when unknown and not checked.
-    """
+    A key checked with gradients also serves the calls that need none. None when unknown and not checked."""
     known = verdicts.recall(verdict_key(backend, signature, device, requires_grad))
     if known is None and not requires_grad:
         with_grad = verdicts.recall(verdict_key(backend, signature, device, True))
@@ -202,101 +220,126 @@ def local_verdict(backend: Backend, signature: Signature, device: torch.device, 
     return known
 
 
-def verdict_for(backend: Backend, signature: Signature, device: torch.device, dtype: torch.dtype,
-                requires_grad: bool, *, check: bool = True) -> CheckResult | None:
-    """The verdict that lets ``backend`` serve this key, or None (then it does not serve). Never communicates.
-
-    The group's settled verdict (:mod:`.agreement`) comes first. Without one, a single process uses its own
-    (:func:`local_verdict`); under ``torch.distributed`` (or while :func:`discovering`) the key is remembered as
-    wanted for the next :func:`hybrid_pack.backends.verify` and None is returned, so every rank falls back alike.
-    """
-    settled = agreement.settled(verdict_key(backend, signature, device, requires_grad))
-    if settled is not None:
-        return settled
-    if _discovering.get() or distributed():
-        agreement.want(agreement.Wanted(backend.op, device.type, dtype_name(dtype), requires_grad, signature))
-        return None
-    return local_verdict(backend, signature, device, requires_grad, check=check and not _tracing())
+def _settled_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
+                     group_ranks: tuple[int, ...]) -> CheckResult | None:
+    known = verdicts.SETTLED.get(verdict_key(backend, signature, device, requires_grad, group_ranks))
+    if known is None and not requires_grad:
+        with_grad = verdicts.SETTLED.get(verdict_key(backend, signature, device, True, group_ranks))
+        known = with_grad if with_grad is not None and with_grad.ok else None
+    return known
 
 
-def _unsettled(signature: Signature, device: torch.device) -> str:
-    if distributed():
-        return (f"no verdict settled by the {dist.get_world_size()} ranks yet for {signature_text(signature)} "
-                "(hybrid_pack.backends.verify() settles it; train, the trainers and the CLI call it first)")
-    return (f"not yet checked for {signature_text(signature)} on {verdicts.device_name(device)}, and no check runs "
-            "inside a CUDA graph capture or a torch.compile trace (call hybrid_pack.backends.verify() first)")
+def _evidence(backend: Backend, signature: Signature, device: torch.device, dtype: torch.dtype,
+              requires_grad: bool, group_ranks: tuple[int, ...], group: Any, strict: bool, traced: bool) -> str:
+    """Why ``backend`` may not serve for want of evidence ("" when its settled verdict passed).
+
+    In a single eager process an unsettled whole-row key is settled now (kept or checked). While discovering the
+    key is remembered for the warm-up. Elsewhere (``torch.distributed``, a sharded row, a trace) an unsettled key
+    raises :class:`WarmUpError` when ``strict``."""
+    known = _settled_verdict(backend, signature, device, requires_grad, group_ranks)
+    if known is not None:
+        return known.reason
+    if recording_keys():
+        _wanted.setdefault(Wanted(backend.op, device.type, dtype_name(dtype), requires_grad, signature, group_ranks),
+                           group)
+        return "not settled yet (the warm-up's discovery pass)"
+    lazy = not distributed() and not group_ranks
+    traced = traced or tracing()
+    known = local_verdict(backend, signature, device, requires_grad, check=not traced) if lazy else None
+    if known is None:
+        where = ("a compiled graph or a CUDA graph capture" if traced else "a call on a sharded row" if group_ranks
+                 else "a run under torch.distributed")
+        why = (f"no verdict settled for {signature_text(signature)} on {verdicts.device_name(device)}, and none "
+               f"may be taken in {where}: call {WARM_UP} (every rank, before the first forward)")
+        if strict:
+            raise WarmUpError(f"{backend.op}: backend {backend.name!r} could serve this call but {why}")
+        return why
+    # settled without a change to any choice made before (none was made for this key): compiled graphs stand
+    verdicts.SETTLED[verdict_key(backend, signature, device, requires_grad)] = known
+    return known.reason
 
 
 def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requires_grad: bool,
-             inputs: Mapping[str, Any] | None, signature: Signature | None, *, check: bool = True) -> str:
+             inputs: Mapping[str, Any] | None, signature: Signature, group_ranks: tuple[int, ...] = (),
+             group: Any = None, strict: bool = True, traced: bool = False) -> str:
     """Why ``candidate`` may not serve this call ("" when it may): availability, inputs, then evidence."""
     why = candidate.reason(device, dtype, requires_grad)
     if not why and candidate.accepts is not None and inputs is not None:
         why = candidate.accepts(inputs)
     if why or candidate.reference or not verification_enabled():
         return why
-    signature = signature if signature is not None else contract_of(candidate.op).default_signature(dtype, device.type)
-    verdict = verdict_for(candidate, signature, device, dtype, requires_grad, check=check)
-    return _unsettled(signature, device) if verdict is None else verdict.reason
+    return _evidence(candidate, signature, device, dtype, requires_grad, group_ranks, group, strict, traced)
 
 
-@torch.compiler.disable  # a compiled graph asks static_choice() instead, while tracing
-def resolve(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool = False,
-            backend: str | None = None, inputs: Mapping[str, Any] | None = None,
-            signature: Signature | None = None, check: bool = True) -> Backend:
-    """The backend that runs ``op`` on a whole row (plain or static) with these inputs. Never communicates.
+def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False,
+            backend: str | None = None, inputs: Mapping[str, Any] | None = None, signature: Signature | None = None,
+            traced: bool = False, static_only: bool = False, sharded: tuple[tuple[int, ...], Any] | None = None,
+            strict: bool = True) -> Backend | None:
+    """The backend that runs ``op`` with these inputs: the full choice, made once per call key. Never communicates.
 
     Args:
         op: the op.
         device, dtype, requires_grad: of the call.
         backend: force this backend (else a forced one from :func:`use_backends` / ``HYBRID_PACK_BACKENDS``).
         inputs: the call's inputs by name, for the backends' ``accepts`` checks.
-        signature: the call's signature (sizes, flags, dtypes) for the self-check; default: the op's typical
-            signature for ``dtype``.
-        check: in a single process, check a kernel with no verdict yet now (False: it does not serve).
+        signature: the call's signature; default: the op's typical signature for ``dtype``.
+        traced: the call is traced by ``torch.compile`` (no check may run).
+        static_only: only backends with a static form serve (a traced op with no opaque node).
+        sharded: ``(group ranks, group)`` of a call on a rank's slice of a row: the op's sharded backends are
+            chosen among, and None is returned when none serves (the op's pure-torch context-parallel path runs).
+        strict: raise :class:`WarmUpError` for a kernel that could serve without a settled verdict (else skip it).
 
     Raises:
         BackendUnavailableError: a forced backend cannot run, cannot take the inputs, or failed its check.
+        WarmUpError: a kernel could serve but its verdict was not settled where none may be taken now.
     """
+    device = torch.device(device)
     source = "backend=" if backend is not None else ""
     if backend is None:
-        backend, source = _forced_for(op)
+        backend, source = forced_now(op)
+    signature = signature if signature is not None else contract_of(op).default_signature(dtype, device.type)
+    ranks, group = sharded if sharded is not None else ((), None)
+    candidates = backends_of(op, sharded=sharded is not None)
     if backend is not None:
         chosen = get_backend(op, backend)
-        why = ("serves rows split across a context-parallel group only" if chosen.sharded else
-               _why_not(chosen, device, dtype, requires_grad, inputs, signature, check=check))
+        if sharded is not None and not chosen.sharded:
+            return None
+        why = ("serves rows split across a context-parallel group only" if chosen.sharded and sharded is None else
+               "has no static form to trace in torch.compile (the pure-torch backend is traced there)"
+               if static_only and chosen.static_fn is None else
+               _why_not(chosen, device, dtype, requires_grad, inputs, signature, ranks, group, traced=traced))
         if why:
             raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
         _decide(chosen, device, requires_grad, signature, [], [], forced=True)
         return chosen
     skipped, refused = [], []
-    for candidate in backends_of(op):
-        why = _why_not(candidate, device, dtype, requires_grad, inputs, signature, check=check)
+    for candidate in candidates:
+        if static_only and candidate.static_fn is None:
+            continue
+        why = _why_not(candidate, device, dtype, requires_grad, inputs, signature, ranks, group, strict, traced)
         if not why:
             _decide(candidate, device, requires_grad, signature, skipped, refused, forced=False)
             return candidate
         skipped.append((candidate.name, why))
         if candidate.reason(device, dtype, requires_grad) == "":
             refused.append((candidate.name, why))
-            if not _discovering.get():
-                _log_once(op, candidate.name, why)
+            _log_once(op, candidate.name, why)
+    if sharded is not None:
+        return None
     raise BackendUnavailableError(f"{op}: no backend can run on {device.type} with {dtype_name(dtype)}")
 
 
 def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
                       backend: str | None) -> Backend:
-    """The backend that runs ``op`` inside :func:`hybrid_pack.batch_invariant`: its pure-torch backend.
-
-    No kernel's self-check proves the mode's bitwise property yet (docs/api.md §7d), so kernels do not serve in
-    the mode; the first call of each op on a device where a kernel could run says so once (logged).
+    """The backend that runs ``op`` inside :func:`hybrid_pack.batch_invariant`: its pure-torch backend (no kernel's
+    self-check proves the mode's bitwise property yet, docs/api.md §7d; a usable kernel is logged once).
 
     Raises:
-        BackendUnavailableError: a kernel backend is forced (argument, :func:`use_backends`,
-            ``HYBRID_PACK_BACKENDS``), or the pure-torch backend cannot run here.
+        BackendUnavailableError: a kernel backend is forced, or the pure-torch backend cannot run here.
     """
     source = "backend=" if backend is not None else ""
     if backend is None:
-        backend, source = _forced_for(op)
+        backend, source = forced_now(op)
     reference = reference_of(op)
     if backend is not None and backend != reference.name:
         raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot serve inside "
@@ -307,94 +350,51 @@ def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requ
         raise BackendUnavailableError(f"{op}: inside batch_invariant() only backend {reference.name!r} serves, and "
                                       f"it cannot run here: {why}")
     kernels = [b.name for b in backends_of(op) if not b.reference and not b.reason(device, dtype, requires_grad)]
-    if kernels and not _discovering.get():
+    if kernels:
         _log_once(op, ", ".join(kernels), "inside batch_invariant() kernels do not serve (no self-check proves "
                   f"them batch-invariant); {reference.name!r} runs")
     return reference
 
 
-def resolve_sharded(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
-                    backend: str | None, inputs: Mapping[str, Any], signature: Signature,
-                    group: Any, group_ranks: tuple[int, ...]) -> Backend | None:
-    """The sharded backend (its own context parallelism) that runs this call on a rank's slice of a row, or None:
-    then the op's pure-torch context-parallel path runs around the whole-row backends. Never communicates.
-
-    A sharded backend serves only with the group's settled verdict of its collective self-check (unless
-    ``HYBRID_PACK_VERIFY=0``); ``inputs`` includes ``boundaries`` for its ``accepts``.
-
-    Raises:
-        BackendUnavailableError: a forced sharded backend cannot serve the call.
-    """
-    source = "backend=" if backend is not None else ""
-    if backend is None:
-        backend, source = _forced_for(op)
-    candidates = backends_of(op, sharded=True)
-    if backend is not None:
-        candidates = [b for b in candidates if b.name == backend]
-    for candidate in candidates:
-        why = candidate.reason(device, dtype, requires_grad) or (
-            candidate.accepts(inputs) if candidate.accepts is not None else "")
-        if not why and verification_enabled():
-            key = verdict_key(candidate, signature, device, requires_grad, group_ranks)
-            verdict = agreement.settled(key)
-            if verdict is None:
-                agreement.want(agreement.Wanted(op, device.type, dtype_name(dtype), requires_grad, signature,
-                                                group_ranks), group)
-            why = _unsettled(signature, device) if verdict is None else verdict.reason
-        if not why:
-            _decide(candidate, device, requires_grad, signature, [], [], forced=backend is not None)
-            return candidate
-        if backend is not None:
-            raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
-        if not _discovering.get():
-            _log_once(op, candidate.name, why)
-    return None
-
-
-@torch.compiler.assume_constant_result
-def static_choice(op: str, device: str, dtype: str, requires_grad: bool, backend: str | None,
-                  signature: Signature, described: tuple[tuple[str, Any], ...], check: bool) -> str:
-    """The name of the backend for a call on static boundaries; inside ``torch.compile`` it runs while tracing and
-    its answer is a constant of the graph.
-
-    Arguments are plain values (``described``: :func:`describe` of the call's inputs). While tracing ``check`` is
-    False: a kernel serves only with a verdict settled or kept before (:func:`hybrid_pack.backends.verify`).
-    """
-    inputs = {name: torch.empty(value[1], dtype=getattr(torch, value[2]), device="meta")
-              if isinstance(value, tuple) and value[:1] == ("tensor",) else value for name, value in described}
-    return resolve(op, device=torch.device(device), dtype=getattr(torch, dtype), requires_grad=requires_grad,
-                   backend=backend, inputs=inputs, signature=signature, check=check).name
-
-
-def describe(inputs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A call's inputs as plain values for :func:`static_choice`: tensors by shape and dtype."""
-    return tuple((name, ("tensor", tuple(value.shape), dtype_name(value.dtype)) if isinstance(value, torch.Tensor)
-                  else value) for name, value in inputs.items())
-
-
 def is_discovering() -> bool:
-    """Whether this call runs inside :func:`discovering` (the backends' warm-up pass)."""
-    return _discovering.get()
+    """Whether this call runs in the warm-up's own pass of the model (``verify(model=..., batch=...)``): no
+    training call."""
+    return _discovering.get() == "replay"
+
+
+def recording_keys() -> bool:
+    """Whether this call runs inside :func:`discovering` (either kind)."""
+    return bool(_discovering.get())
 
 
 @contextlib.contextmanager
-def discovering() -> Iterator[None]:
+def discovering(*, training_step: bool = False) -> Iterator[None]:
     """Inside the block, calls record the keys they need (for :func:`hybrid_pack.backends.verify`) and run on the
-    pure-torch backends; no check runs and nothing is logged."""
-    token = _discovering.set(True)
+    pure-torch backends; no check runs, nothing is logged and no choice is kept.
+
+    ``training_step``: the block is a real training step whose calls one batch cannot replay (TRL's GRPO and DPO,
+    several forwards per step), then followed by ``verify()``; else it is the warm-up's own pass of the model."""
+    token = _discovering.set("step" if training_step else "replay")
     try:
         yield
     finally:
         _discovering.reset(token)
 
 
-def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature | None,
+def wanted(*, clear: bool = False) -> list[tuple[Wanted, Any]]:
+    """The keys met while discovering since the last warm-up, first met first (``clear``: forget them)."""
+    keys = list(_wanted.items())
+    if clear:
+        _wanted.clear()
+    return keys
+
+
+def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature,
             skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> None:
-    """Remember the first decision per (op, device, signature, grad, backend, why not the others):
-    :func:`decisions` lists them."""
-    text = signature_text(signature) if signature is not None else "typical call"
+    """Remember the first decision per (op, device, signature, grad, backend, why not the others)."""
+    text = signature_text(signature)
     key = (chosen.op, str(device), text, requires_grad, chosen.name, tuple(refused))
-    if key not in _decisions and not _discovering.get():
+    if key not in _decisions and not recording_keys():
         _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
                                    tuple(skipped), tuple(refused), forced)
 
@@ -405,10 +405,6 @@ def decisions() -> list[Decision]:
 
 
 def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:
-    """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype``.
-
-    A kernel not yet checked for that typical call is checked now. A particular call can still go to
-    another backend: its own signature is checked on first use, and inputs a kernel cannot take go to
-    the next backend (logged once).
-    """
-    return resolve(op, device=torch.device(device), dtype=dtype, requires_grad=requires_grad).name
+    """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype`` (in a single
+    process a kernel not yet checked for that call is checked now)."""
+    return resolve(op, device=device, dtype=dtype, requires_grad=requires_grad).name

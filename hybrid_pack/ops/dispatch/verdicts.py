@@ -19,13 +19,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hybrid_pack.ops.triton_device import INTERPRET_ENV, cpu_interpreter_enabled
 
 __all__ = ["CheckResult", "VerdictKey", "remember", "recall", "forget", "results", "environment", "device_name",
-           "CACHE_ENV", "cache_dir"]
+           "CACHE_ENV", "cache_dir", "SETTLED", "CHOICES", "settle", "generation"]
 
 CACHE_ENV = "HYBRID_PACK_CACHE"
 PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
@@ -130,6 +131,25 @@ def _environment_digest() -> str:
 
 
 _memory: dict[VerdictKey, CheckResult] = {}
+SETTLED: dict[VerdictKey, CheckResult] = {}
+"""The verdicts in force in this process: settled by the warm-up (the group's, under ``torch.distributed``), or by
+a single eager process's first call of a key."""
+CHOICES: dict[tuple[Any, ...], Any] = {}
+"""The ops' routes' answers per call key (cleared whenever a verdict or a registration changes)."""
+generation = 0
+"""Counts the changes to :data:`CHOICES`: a compiled graph reads it, so it is traced again after a change."""
+
+
+def _changed() -> None:
+    global generation
+    CHOICES.clear()
+    generation += 1
+
+
+def settle(key: VerdictKey, result: CheckResult) -> None:
+    """Put ``result`` in force for ``key`` (the warm-up: the same on every rank)."""
+    SETTLED[key] = result
+    _changed()
 _loaded_from: tuple[str | None, str] | None = None  # (HYBRID_PACK_CACHE, environment digest) of the file read
 
 
@@ -182,9 +202,11 @@ def remember(key: VerdictKey, result: CheckResult, *, persist: bool = True) -> N
 
 
 def forget(op: str, backend: str) -> None:
-    """Drop this process's results for one backend (it was registered again or removed)."""
-    for key in [k for k in _memory if k.op == op and k.backend == backend]:
-        del _memory[key]
+    """Drop this process's results for one backend, kept and settled (it was registered again or removed)."""
+    for table in (_memory, SETTLED):
+        for key in [k for k in table if k.op == op and k.backend == backend]:
+            del table[key]
+    _changed()
 
 
 def results(op: str | None = None, backend: str | None = None, fingerprint: str | None = None) -> list[CheckResult]:

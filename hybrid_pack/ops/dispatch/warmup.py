@@ -1,5 +1,10 @@
-"""The backends' warm-up: :func:`verify` checks every key the ranks want and settles one verdict per key for the
-whole group (docs/api.md §5a), so that choosing a backend afterwards never communicates (:mod:`.agreement`)."""
+"""The backends' one warm-up: :func:`verify` checks every key the ranks want and settles one verdict per key for the
+whole group (docs/api.md §5a, §9b), the same for one process, DDP, FSDP and context parallelism; afterwards each call
+looks its backend up (:mod:`.route`) and never communicates.
+
+A self-check can pass on one rank and fail on another (another GPU, driver or compiler cache); ranks that then ran
+different kernels would train on different numerics, or, on a sharded row, wait on each other forever. So every rank
+checks every key any rank met, and a backend serves a key only where it passed on every rank."""
 
 from __future__ import annotations
 
@@ -12,12 +17,18 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from hybrid_pack.distributed import distributed, share_objects
-from hybrid_pack.ops.dispatch import agreement
-from hybrid_pack.ops.dispatch.agreement import Wanted
+from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.contract import dtype_name
 from hybrid_pack.ops.dispatch.cp_check import cp_check
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
-from hybrid_pack.ops.dispatch.selector import discovering, local_verdict, verdict_key, verification_enabled
+from hybrid_pack.ops.dispatch.selector import (
+    Wanted,
+    discovering,
+    local_verdict,
+    verdict_key,
+    verification_enabled,
+    wanted,
+)
 from hybrid_pack.ops.dispatch.status import default_device, default_dtypes
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
@@ -29,17 +40,18 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
            progress: bool | None = None) -> list[CheckResult]:
     """The warm-up that settles which backend serves each op and call key, for every rank at once (docs/api.md §5a).
 
-    Under ``torch.distributed`` it is collective: every rank calls it at the same point, before the first step
-    (``train``, the trainers and the CLI do). The ranks unite the keys they want, every rank checks every key
-    (a result kept on disk is reused), and a backend serves a key only where it passed on every rank; a sharded
-    backend's collective check runs on its context-parallel group. Afterwards each call only looks its backend up,
-    so ranks never run different kernels for one key and nothing waits on another rank mid-step.
+    Call it once before the first forward (``train``, the trainers and the CLI do); under ``torch.distributed``
+    every rank calls it at the same point (it is collective). The ranks unite the keys they met, every rank checks
+    every key (a result kept on disk is reused), and a backend serves a key only where it passed on every rank; a
+    sharded backend's collective check runs on its context-parallel group. Where it was skipped (under
+    ``torch.distributed``, on a sharded row, in a compiled graph) a kernel that could serve a call raises
+    :class:`~.selector.WarmUpError` instead of checking or falling back silently.
 
-    The keys: every key a call asked for since the last ``verify()`` (calls under ``torch.distributed`` wait for a
-    settled verdict and run on the pure-torch backends meanwhile) and, with ``model`` and ``batch``, those one
-    forward and backward pass of ``model(**batch)`` asks for (run eagerly on the pure-torch backends, gradients set
-    to None after); when there are none, each op's typical signature for each dtype on ``device``, the pure-torch
-    backends included (packed against alone, and against themselves in float64).
+    The keys: with ``model`` and ``batch``, those one forward and backward pass of ``model(**batch)`` meets (run
+    eagerly on the pure-torch backends, gradients set to None after), and those met inside
+    :func:`~.selector.discovering` since the last warm-up; when there are none, each op's typical signature for
+    each dtype on ``device``, the pure-torch backends included (packed against alone, and against themselves in
+    float64).
 
     Args:
         op: only this op's keys (default: every op).
@@ -56,8 +68,10 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
     device = default_device() if device is None else torch.device(device)
     if model is not None:
         _discover(model, batch or {})
-    calls = [c for c in agreement.wanted(clear=True) if op is None or c.op == op]
-    sharded_here = {c for c in calls if c.group_ranks and agreement.group_of(c.group_ranks)[0]}
+    met = dict(wanted(clear=True))
+    groups = {c.group_ranks: group for c, group in met.items() if c.group_ranks}
+    calls = [c for c in met if op is None or c.op == op]
+    sharded_here = {c for c in calls if c.group_ranks}
     if distributed():
         everyone = share_objects((calls, sharded_here))
         calls = [c for mine, _ in everyone for c in mine]
@@ -78,7 +92,7 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
             bar.set_postfix_str(f"{backend.op} {backend.name} {call.dtype}")
             out.append((backend, call, local_verdict(backend, call.signature, device, call.requires_grad)))
     settled = _agree([(verdict_key(b, c.signature, device, c.requires_grad), result) for b, c, result in out])
-    return settled + _settle_sharded([c for c in calls if c in sharded_here], device)
+    return settled + _settle_sharded([c for c in calls if c in sharded_here], device, groups)
 
 
 def _agree(results: list[tuple[VerdictKey, CheckResult]]) -> list[CheckResult]:
@@ -97,11 +111,12 @@ def _agree(results: list[tuple[VerdictKey, CheckResult]]) -> list[CheckResult]:
             agreed.append((key, result))
         results = agreed
     for key, result in results:
-        agreement.settle(key, result)
+        verdicts.settle(key, result)
     return [result for _, result in results]
 
 
-def _settle_sharded(calls: list[Wanted], device: torch.device) -> list[CheckResult]:
+def _settle_sharded(calls: list[Wanted], device: torch.device, groups: dict[tuple[int, ...], Any]
+                    ) -> list[CheckResult]:
     """Run the sharded backends' collective checks, key by key in the same order on every rank of each group."""
     if not calls or not verification_enabled() or not distributed():
         return []
@@ -110,7 +125,7 @@ def _settle_sharded(calls: list[Wanted], device: torch.device) -> list[CheckResu
     for call in calls:
         if rank not in call.group_ranks:
             continue
-        _, group = agreement.group_of(call.group_ranks)
+        group = groups[call.group_ranks]
         for backend in backends_of(call.op, sharded=True):
             runnable = not backend.reason(device, getattr(torch, call.dtype), call.requires_grad)
             everywhere = all(share_objects(runnable, group))
@@ -118,7 +133,7 @@ def _settle_sharded(calls: list[Wanted], device: torch.device) -> list[CheckResu
                 continue
             result = cp_check(backend, call.signature, device, call.requires_grad, group,
                               dist.get_group_rank(group or dist.group.WORLD, rank), len(call.group_ranks))
-            agreement.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)
+            verdicts.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)
             out.append(result)
     return out
 

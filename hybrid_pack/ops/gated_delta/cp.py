@@ -2,12 +2,15 @@
 
 Over one segment the state goes through an affine map, ``S_out = M S_in + S0``, with
 ``M = prod_t exp(g_t) (I - beta_t k_t k_t^T)`` (``[HV, K, K]``) and ``S0`` the segment's final state
-from zero. Both come from the local op itself, in the same pass as the outputs: the value columns are
-widened by ``K`` columns of zeros and the first segment's state starts as ``[0 | I]``. Value columns
-are independent under the delta rule, so the extra columns carry ``P_t I = P_t`` (the map from the
-segment's start to token ``t``): their final state is ``M``, and their output at token ``t`` is
-``u_t = scale P_t^T q_t``, so the first segment's output given an incoming state is
-``o_t + S_in^T u_t``, a product per token, no second pass. Any backend of the op serves.
+from zero. Only the first local segment can receive a state (when it continues from the previous rank), so
+only it needs more than the op: it runs alone with its value columns widened by ``K`` columns of zeros whose
+state starts as the identity. Value columns are independent under the delta rule, so the extra columns carry
+``P_t I = P_t`` (the map from the segment's start to token ``t``): their final state is ``M``, and their output
+at token ``t`` is ``u_t = scale P_t^T q_t``, so the segment's output given an incoming state is
+``o_t + S_in^T u_t``, a product per token, no second pass. The other segments run once, unwidened (their
+states start from zero or the user's). ``u`` is inherent to folding the incoming state in after the one
+all-gather: a second pass over the first segment with ``S_in`` would cost the whole op again. Any backend of
+the op serves.
 
 Each rank then all-gathers ``(S0 of its last segment, M of its first)`` and folds what precedes it
 (:mod:`hybrid_pack.ops.cp.state_passing`). Exchanged per rank: ``world_size * HV * K * (V + K)``
@@ -21,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.cp.state_passing import (
     fold,
@@ -70,23 +74,29 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
 
     num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
     dtype_of_states = state_dtype(v.dtype)
-    continues = boundaries.continues_from_previous
-    segments = segments_as_documents(boundaries)
     starts = segment_initial_states(initial_state, boundaries, dtype_of_states)
-    if continues:
-        # Widen the values by K zero columns whose state starts as the identity in the first segment.
-        v = torch.cat([v, v.new_zeros(*v.shape[:3], k_dim)], dim=-1)
-        identity = torch.zeros(local.num_segments, num_v_heads, k_dim, k_dim, dtype=dtype_of_states,
-                               device=v.device)
-        identity[0] = torch.eye(k_dim, dtype=dtype_of_states, device=v.device)
-        zeros = identity.new_zeros(local.num_segments, num_v_heads, k_dim, v_dim)
-        starts = torch.cat([zeros if starts is None else starts, identity], dim=-1)
-    o, finals = local_op(q, k, v, g, beta, segments, scale=scale, initial_state=starts, output_final_state=True,
-                         use_qk_l2norm=use_qk_l2norm)
-    if continues:
+    if boundaries.continues_from_previous:
+        first, rest = _first_and_rest(boundaries)
+        length = local.segment_lengths[0]
+        # The first segment alone, its values widened by K zero columns whose state starts as the identity.
+        identity = torch.eye(k_dim, dtype=dtype_of_states, device=v.device).expand(1, num_v_heads, k_dim, k_dim)
+        widened = torch.cat([v[:, :length], v.new_zeros(1, length, num_v_heads, k_dim)], dim=-1)
+        # A continuing document's own initial state is zero (it belongs to the rank where the document starts).
+        zero = identity.new_zeros(1, num_v_heads, k_dim, v_dim) if starts is None else starts[:1]
+        start = torch.cat([zero, identity], dim=-1)
+        o, finals = local_op(q[:, :length], k[:, :length], widened, g[:, :length], beta[:, :length], first,
+                             scale=scale, initial_state=start, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
         (o, u), (finals, maps) = o.split([v_dim, k_dim], dim=-1), finals.split([v_dim, k_dim], dim=-1)
         transition = maps[0]                                              # [HV, K, K]
+        if rest is not None:
+            o_rest, finals_rest = local_op(q[:, length:], k[:, length:], v[:, length:], g[:, length:],
+                                           beta[:, length:], rest, scale=scale,
+                                           initial_state=None if starts is None else starts[1:],
+                                           output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+            o, finals = torch.cat([o, o_rest], dim=1), torch.cat([finals, finals_rest])
     else:
+        o, finals = local_op(q, k, v, g, beta, segments_as_documents(boundaries), scale=scale, initial_state=starts,
+                             output_final_state=True, use_qk_l2norm=use_qk_l2norm)
         transition = finals.new_zeros(num_v_heads, k_dim, k_dim)
 
     summaries = gather_summaries(torch.cat([finals[-1].flatten(), transition.flatten()]), boundaries)
@@ -98,9 +108,20 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
 
     incoming = fold(chain, summaries, unpack, torch.matmul)               # [HV, K, V] or None
     if incoming is not None:
-        first = local.segment_lengths[0]
-        correction = torch.einsum("thk,hkv->thv", u[0, :first].to(dtype_of_states), incoming).to(o.dtype)
-        o = torch.cat([o[:, :first] + correction, o[:, first:]], dim=1)
+        length = local.segment_lengths[0]
+        correction = torch.einsum("thk,hkv->thv", u[0].to(dtype_of_states), incoming).to(o.dtype)
+        o = torch.cat([o[:, :length] + correction, o[:, length:]], dim=1)
         finals = torch.cat([finals[:1] + transition @ incoming, finals[1:]])
     o = tie(o, summaries)
     return o, finals[: local.num_docs] if output_final_state else None
+
+
+def _first_and_rest(boundaries: ShardedBoundaries) -> tuple[PackedBoundaries, PackedBoundaries | None]:
+    """Plain boundaries of the first local segment alone and of the others (the padding segment counted as a
+    document, as in :func:`segments_as_documents`), None when there are none. Kept on ``boundaries``."""
+    def build() -> tuple[PackedBoundaries, PackedBoundaries | None]:
+        lengths, device = boundaries.local.segment_lengths, boundaries.device
+        rest = PackedBoundaries.from_lengths(lengths[1:], device) if len(lengths) > 1 else None
+        return PackedBoundaries.from_lengths(lengths[:1], device), rest
+
+    return boundaries.view("gated_delta_first_and_rest", build)

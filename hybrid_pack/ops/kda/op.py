@@ -9,7 +9,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
 from hybrid_pack.ops.kda.check import OP, signature_of
 from hybrid_pack.ops.kda.cp import kda_cp
 from hybrid_pack.ops.library import PackedCustomOp
@@ -77,6 +77,8 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state:
 
 ROUTE = OpRoute(
     OP, kda, positional=("q", "k", "v", "g", "beta"),
+    key=lambda a: (a["q"].shape[2:], a["v"].shape[2:], a["use_qk_l2norm"], a["output_final_state"], a["q"].dtype,
+                   a["k"].dtype, a["v"].dtype, a["g"].dtype, a["beta"].dtype, dtype_of(a["initial_state"])),
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
                                      output_final_state=a["output_final_state"], use_qk_l2norm=a["use_qk_l2norm"]),
     sharded=kda_cp,

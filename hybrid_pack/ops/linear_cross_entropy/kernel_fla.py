@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hybrid_pack.ops.compiler import disable
 from hybrid_pack.schema import IGNORE_INDEX
 
 __all__ = ["linear_cross_entropy_sum", "fla_accepts"]
@@ -24,7 +25,7 @@ def fla_accepts(inputs: Mapping[str, Any]) -> str:
     return ""
 
 
-@torch.compiler.disable  # fla's autograd function launches Triton kernels on raw pointers
+@disable  # fla's autograd function launches Triton kernels on raw pointers
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                              chunk_size: int) -> torch.Tensor:
     """:func:`~hybrid_pack.ops.linear_cross_entropy.torch_backend.linear_cross_entropy_sum` through fla's

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_pack.errors import BackendUnavailableError, InputError
+from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch.contract import dtype_name
-from hybrid_pack.ops.dispatch.registry import get_backend
-from hybrid_pack.ops.dispatch.selector import describe, resolve, static_choice
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.linear_cross_entropy.check import DEFAULT_CHUNK_SIZE, OP, signature_of
 from hybrid_pack.ops.validate import needs_grad
 from hybrid_pack.schema import IGNORE_INDEX
@@ -68,24 +67,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     _validate(hidden, weight, targets, chunk_size)
     hidden_rows, target_rows = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    signature = signature_of(hidden, weight, chunk_size)
-    requires_grad = needs_grad(hidden, weight)
-    inputs = {"hidden": hidden_rows, "weight": weight, "targets": target_rows, "chunk_size": chunk_size,
-              "requires_grad": requires_grad}
-    if torch.compiler.is_compiling():  # the pure-torch chunks, traced inline: the fused kernel runs eagerly only
-        name = static_choice(OP, str(hidden.device), dtype_name(hidden.dtype), requires_grad, backend or "torch",
-                             signature, describe(inputs), False)
-        fn = get_backend(OP, name).static_fn
-        if fn is None:
-            raise BackendUnavailableError(f"{OP} backend {name!r} (forced by backend=) cannot run inside "
-                                          "torch.compile; there the pure-torch backend is traced")
-    else:
-        fn = resolve(OP, device=hidden.device, dtype=hidden.dtype, requires_grad=requires_grad, backend=backend,
-                     inputs=inputs, signature=signature).fn
-    total = fn(hidden_rows, weight, target_rows, chunk_size=chunk_size)
+    arguments = {"hidden": hidden_rows, "weight": weight, "targets": target_rows, "chunk_size": chunk_size}
+    total = ROUTE(arguments, None, backend=backend, requires_grad=needs_grad(hidden, weight))
     count = (target_rows != IGNORE_INDEX).sum() if num_items is None else num_items
     if isinstance(count, torch.Tensor):
         return total / count.to(device=total.device, dtype=total.dtype).clamp(min=1)
     if count < 1:
         raise InputError(f"num_items: expected a positive count; got {count}")
     return total / count
+
+
+ROUTE = OpRoute(
+    OP, linear_cross_entropy, positional=("hidden", "weight", "targets"),
+    key=lambda a: (a["hidden"].shape[1], a["weight"].shape[0], a["chunk_size"], a["hidden"].dtype, a["weight"].dtype,
+                   a["hidden"].shape[0] == 0),
+    signature=lambda a: signature_of(a["hidden"], a["weight"], a["chunk_size"]))

@@ -16,7 +16,7 @@ from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.selective_scan.check import OP, signature_of
 from hybrid_pack.ops.selective_scan.cp import selective_scan_cp
@@ -71,6 +71,8 @@ def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
 
 ROUTE = OpRoute(
     OP, selective_scan, positional=("x", "dt", "A", "B", "C"),
+    key=lambda a: (a["x"].shape[2], a["A"].shape[1], a["x"].dtype, a["dt"].dtype, a["A"].dtype, a["B"].dtype,
+                   a["C"].dtype, dtype_of(a["D"]), dtype_of(a["z"]), dtype_of(a["dt_bias"])),
     signature=lambda a: signature_of(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], z=a["z"],
                                      dt_bias=a["dt_bias"]),
     sharded=selective_scan_cp,

@@ -8,7 +8,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute
+from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
@@ -87,6 +87,10 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, return_final_states
 
 ROUTE = OpRoute(
     OP, mamba2_ssd, positional=("x", "dt", "A", "B", "C"),
+    key=lambda a: (a["x"].shape[2:], a["B"].shape[2:], a["chunk_size"], None if a["D"] is None else a["D"].dim(),
+                   a["dt_softplus"], a["return_final_states"], a["x"].dtype, a["dt"].dtype, a["A"].dtype,
+                   a["B"].dtype, a["C"].dtype, dtype_of(a["D"]), dtype_of(a["z"]), dtype_of(a["dt_bias"]),
+                   dtype_of(a["initial_states"])),
     signature=lambda a: signature_of(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], z=a["z"],
                                      dt_bias=a["dt_bias"], dt_softplus=a["dt_softplus"], chunk_size=a["chunk_size"],
                                      initial_states=a["initial_states"],

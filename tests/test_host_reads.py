@@ -1,0 +1,250 @@
+"""SPEC §9b: a packed training step reads no tensor value on the host (docs/api.md §9b).
+
+The counter patches every way a tensor's value reaches Python (``item``, ``tolist``, ``numpy``, ``__array__``,
+``cpu``, ``bool()``, ``int()``, ``float()``, ``__index__``, ``format()``) and counts the calls made from a frame of
+the hybrid_pack package only (torch's and transformers' own reads are theirs). A batch goes from
+:class:`~hybrid_pack.PackingCollator` through what moves it to the device in a real run (``Trainer._prepare_inputs``,
+accelerate's ``send_to_device``), and one forward + backward of a patched Hugging Face model and of a native preset
+must count zero, after one warm-up step (the backends settle their verdicts at a process's first call). The same
+step without the collator's ``host_boundaries`` counts the documented fallback read, and a read planted in a
+hybrid_pack frame is counted for every patched method: the counter is not blind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import hybrid_pack
+from hybrid_pack import PackingCollator
+from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.host import HostBoundaries
+from hybrid_pack.errors import BoundaryError
+from hybrid_pack.schema import HOST_BOUNDARIES, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX
+
+PACKAGE = str(Path(hybrid_pack.__file__).parent) + "/"
+READS = {"item": "t.item()", "tolist": "t.tolist()", "numpy": "t.numpy()", "__array__": "np.asarray(t)",
+         "cpu": "t.cpu()", "__bool__": "bool(t)", "__int__": "int(t)", "__float__": "float(t)",
+         "__index__": "[0, 1, 2][t]", "__format__": "f'{t:.1f}'"}
+"""Each patched method, and a statement that calls it on a 0-d int64 tensor ``t``."""
+LENGTHS = (5, 23, 1, 9, 3)   # a one-token document, one longer than the tiny models' chunk (16); padded to 48
+VOCAB = 64
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[list[str]]:
+    """Inside: every read of a tensor value made from a hybrid_pack frame, as ``"method file:line"``."""
+    reads: list[str] = []
+    originals = {name: (getattr(torch.Tensor, name), name in vars(torch.Tensor)) for name in READS}
+
+    def counting(name: str, original: Any) -> Any:
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(PACKAGE):
+                reads.append(f"{name} {caller[len(PACKAGE):]}:{sys._getframe(1).f_lineno}")
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name, (original, _) in originals.items():
+        setattr(torch.Tensor, name, counting(name, original))
+    try:
+        yield reads
+    finally:
+        for name, (original, own) in originals.items():
+            if own:
+                setattr(torch.Tensor, name, original)
+            else:
+                delattr(torch.Tensor, name)
+
+
+def _batch() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    features = [{INPUT_IDS: torch.randint(0, VOCAB, (n,), generator=generator).tolist()} for n in LENGTHS]
+    return PackingCollator(pad_to_multiple_of=16)(features)
+
+
+def _step(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One packed forward + backward: the loss and the gradients (taken, so the next step starts from none)."""
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_step_reads_nothing(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    """Zero reads in a step after a warm-up one; the same step without the host entry reads (the fallback) and
+    gives the same loss and gradients."""
+    _step(model, inputs)
+    with host_reads() as reads:
+        loss, grads = _step(model, inputs)
+    assert reads == [], f"hybrid_pack read tensor values in a packed step: {reads}"
+    without = {key: value for key, value in inputs.items() if key != HOST_BOUNDARIES}
+    with host_reads() as reads:
+        expected_loss, expected_grads = _step(model, without)
+    assert reads, "the counter saw no read in the step that reads the boundaries from the tensors"
+    assert all("boundaries/packed.py" in read for read in reads), reads
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    assert grads.keys() == expected_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=0, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------- the counter
+@pytest.mark.parametrize("name", sorted(READS))
+def test_counter_counts_a_read_planted_in_a_hybrid_pack_frame(name: str) -> None:
+    t = torch.tensor(1)
+    inside = compile(READS[name], PACKAGE + "planted_read.py", "exec")
+    outside = compile(READS[name], str(Path(__file__)), "exec")
+    with host_reads() as reads:
+        exec(outside, {"t": t, "np": np})
+        assert reads == []
+        exec(inside, {"t": t, "np": np})
+    assert len(reads) == 1 and reads[0].startswith(f"{name} planted_read.py:"), reads
+    assert getattr(torch.Tensor, name).__name__ != "counted"   # restored
+
+
+# ------------------------------------------------------------------------------------------ the host entry
+def test_collator_hands_over_its_host_boundaries_and_the_movers_keep_them() -> None:
+    from accelerate.utils import send_to_device
+
+    batch = _batch()
+    host = batch[HOST_BOUNDARIES]
+    assert isinstance(host, HostBoundaries) and not hasattr(host, "to") and not hasattr(host, "pin_memory")
+    assert host.segment_lengths == (*LENGTHS, 7) and host.num_pad_tokens == 7
+    assert send_to_device(batch, torch.device("cpu"))[HOST_BOUNDARIES] is host
+    assert torch.utils.data._utils.pin_memory.pin_memory({HOST_BOUNDARIES: host})[HOST_BOUNDARIES] is host
+    built, read = PackedBoundaries.from_batch(batch), PackedBoundaries.from_batch({**batch, HOST_BOUNDARIES: None})
+    assert built.segment_lengths == read.segment_lengths and built.max_seqlen == read.max_seqlen
+    assert built.cu_seqlens is batch["cu_seq_lens_q"] and built.seq_idx is batch[SEQ_IDX]   # the batch's tensors
+    static = PackingCollator(pack_length=64, max_documents=8)([{INPUT_IDS: [1, 2, 3]}])
+    assert HOST_BOUNDARIES not in static   # §9: a compiled graph reads shapes only
+
+
+def test_a_cut_batch_with_its_host_entry_raises_and_without_it_is_read() -> None:
+    batch = _batch()
+    cut = {key: batch[key][:, :20] for key in (INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX)}
+    with pytest.raises(BoundaryError, match=HOST_BOUNDARIES):
+        PackedBoundaries.from_batch({**cut, HOST_BOUNDARIES: batch[HOST_BOUNDARIES]})
+    assert PackedBoundaries.from_batch(cut).segment_lengths == (5, 15)
+    with pytest.raises(BoundaryError, match="max_length_q"):
+        PackedBoundaries.from_batch({**batch, "max_length_q": 7})
+    with pytest.raises(BoundaryError, match=HOST_BOUNDARIES):
+        PackedBoundaries.from_batch({**batch, HOST_BOUNDARIES: (5, 23)})
+
+
+# ------------------------------------------------------------------------------------------ packed steps
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_patched_hf_model_step_through_trainer_reads_nothing(family: str, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = patch_model(tiny_model(family))
+        trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+        batch = _batch()
+        inputs = trainer._prepare_inputs(batch)
+        assert inputs[HOST_BOUNDARIES] is batch[HOST_BOUNDARIES]
+        _assert_step_reads_nothing(model, inputs)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "bamba-tiny"])
+def test_native_model_step_reads_nothing(preset: str) -> None:
+    from accelerate.utils import send_to_device
+
+    from hybrid_pack.modeling import from_preset
+
+    torch.manual_seed(0)
+    model = from_preset(preset, vocab_size=VOCAB)
+    _assert_step_reads_nothing(model, send_to_device(_batch(), torch.device("cpu")))
+
+
+# ------------------------------------------------------------------------------------------ TRL's log-probabilities
+def _reads_in_forwards(model: torch.nn.Module, reads: list[str]) -> list[str]:
+    """The reads made inside ``model``'s forwards from now on (filled as they run)."""
+    inside: list[str] = []
+    count_before: list[int] = []
+    model.register_forward_pre_hook(lambda *_: count_before.append(len(reads)))
+    model.register_forward_hook(lambda *_: inside.extend(reads[count_before.pop():]))
+    return inside
+
+
+def test_grpo_log_probabilities_read_once_before_their_forwards(tmp_path: Path) -> None:
+    """``PackedGRPOTrainer``'s log-probability call forms its rows from the sequences' lengths, read in one copy
+    before any forward; its forwards and the backward read nothing."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer
+    from hybrid_pack.integrations.trl import PackedGRPOTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, beta=0.0,
+                              use_cpu=True, bf16=False, report_to=[], disable_tqdm=True)
+        trainer = PackedGRPOTrainer(model=tiny_model("qwen3_5"), reward_funcs=lambda completions, **_: [0.0],
+                                    args=args, train_dataset=Dataset.from_dict({"prompt": ["w3 w4", "w5"]}),
+                                    processing_class=tiny_tokenizer())
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, VOCAB, (3, 10), generator=generator)
+    prompt_lengths, completion_lengths = [4, 1, 3], [5, 0, 2]    # prompts left-padded (width 4), completions right
+    attention_mask = torch.tensor([[int(j >= 4 - p) for j in range(4)] + [int(j < c) for j in range(6)]
+                                   for p, c in zip(prompt_lengths, completion_lengths, strict=True)])
+    with host_reads() as reads:
+        in_forwards = _reads_in_forwards(trainer.model, reads)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 6,
+                                                                 batch_size=2)
+        before_backward = len(reads)
+        logps.sum().backward()
+    assert in_forwards == [] and reads[before_backward:] == []
+    ours = [read for read in reads if "integrations/trl" in read]
+    assert len(ours) == 1 and ours[0].startswith("tolist integrations/trl_grpo.py"), ours
+    assert torch.equal(logps != 0, attention_mask[:, 4:].bool() & torch.tensor([[True] * 6, [False] * 6,
+                                                                               [True] * 6]))
+    with pytest.raises(hybrid_pack.errors.InputError, match="attention_mask"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask.flip(1), 6)
+
+
+def test_dpo_fused_call_reads_once_before_its_forward(tmp_path: Path) -> None:
+    """``PackedDPOTrainer``'s packed call takes the rows' lengths in one copy before the forward; the forward, the
+    scatter back to TRL's layout and the backward read nothing."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer
+    from hybrid_pack.integrations.trl_dpo import PackedDPOTrainer
+
+    pairs = Dataset.from_list([{"prompt": "w3 w4", "chosen": "w5", "rejected": "w6 w7"}] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+        model = tiny_model("bamba")
+        trainer = PackedDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=pairs,
+                                   processing_class=tiny_tokenizer())
+    lengths = [7, 1, 4]
+    attention_mask = torch.tensor([[int(j < n) for j in range(7)] for n in lengths])
+    input_ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(0)) * attention_mask
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    with host_reads() as reads:
+        in_forwards = _reads_in_forwards(trainer.model, reads)
+        out = trainer.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        before_backward = len(reads)
+        out.log_probs.sum().backward()
+    assert in_forwards == [] and reads[before_backward:] == []
+    ours = [read for read in reads if "integrations/trl" in read]
+    assert len(ours) == 1 and ours[0].startswith("tolist integrations/trl_dpo.py"), ours
+    scored = attention_mask[:, 1:].bool()   # a real token after a real one
+    assert out.log_probs.shape == (3, 6) and torch.equal(out.log_probs != 0, scored)
