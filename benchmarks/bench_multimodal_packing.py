@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid_pack import PackingCollator, plan_packs
 from hybrid_pack.data import load_gsm8k
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.integrations.transformers.tiny import VISION_TOKENS, tiny_vlm_model
+from hybrid_pack.mrope import mrope_position_ids
 from tests.support.torch_path import pure_torch_transformers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multimodal_packing.json"

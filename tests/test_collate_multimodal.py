@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from hybrid_pack import PackingCollator, plan_packs
 from hybrid_pack.errors import InputError, UnsupportedModelError
-from hybrid_pack.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_vlm_model
+from hybrid_pack.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.packing import PackedBatchSampler, SlicedDataset, pack_stream
 from hybrid_pack.packing.slicing import slice_example
 from hybrid_pack.testing.multimodal import vision_sample

@@ -18,12 +18,12 @@ pytest.importorskip("transformers")
 
 from hybrid_pack import PackingCollator
 from hybrid_pack.integrations.transformers import is_patched, patch_model
-from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.integrations.transformers.tiny import (
     TINY_VLM_CONFIGS,
     VISION_TOKENS,
     tiny_vlm_model,
 )
+from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.testing import check_isolation
 from hybrid_pack.testing.multimodal import vision_sample
 from tests.kit import widened

@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 from hybrid_pack import PackingCollator
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.integrations.transformers.tiny import VISION_TOKENS, tiny_vlm_model
+from hybrid_pack.mrope import mrope_position_ids
 
 L, M = 96, 4
 TEXT_VOCAB = min(VISION_TOKENS.values())

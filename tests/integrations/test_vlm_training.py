@@ -22,8 +22,8 @@ pytest.importorskip("accelerate")
 
 from hybrid_pack import PackingCollator
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.integrations.transformers.tiny import tiny_vlm_model
+from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.testing.multimodal import vision_sample
 from tests.support.torch_path import pure_torch_transformers
 
@@ -133,8 +133,8 @@ def test_packed_trainer_takes_the_models_positions(tmp_path) -> None:
     from transformers import TrainingArguments
 
     from hybrid_pack.errors import InputError
-    from hybrid_pack.mrope import MRopePositions
     from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+    from hybrid_pack.mrope import MRopePositions
 
     model = patch_model(_model())
     samples = [vision_sample(model.config, segments, torch.Generator().manual_seed(i))

@@ -20,9 +20,9 @@ pytest.importorskip("transformers")
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.errors import BoundaryError, IsolationError, UnsupportedModelError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_vlm_model
 from hybrid_pack.isolation.vision import document_vision_inputs
+from hybrid_pack.mrope import mrope_position_ids
 from hybrid_pack.testing import PackingGuard, check_isolation
 from hybrid_pack.testing.multimodal import VisionLayout, text_vocab_size, vision_layouts, vision_samples
 from tests.kit import widened
