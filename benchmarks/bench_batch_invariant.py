@@ -6,7 +6,7 @@ The row: the 8 sequences of tests/test_batch_invariant.py (1 to 60 tokens, 183 i
 tokens (``PackingCollator(pack_length=256, max_documents=8)``). Each figure is the median of ``--repeats`` timed
 steps after two warm-up steps::
 
-    PYTHONPATH=. python benchmarks/bench_batch_invariant.py [--repeats 15] [--threads 2] [--out ...]
+    python benchmarks/bench_batch_invariant.py [--repeats 15] [--threads 2] [--out ...]
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import contextlib
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests.support: the unpacked reference
 
 import hybrid_pack
 from hybrid_pack.collate import PackingCollator

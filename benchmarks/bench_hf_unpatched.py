@@ -19,12 +19,15 @@ import argparse
 import importlib.util
 import json
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests.support: the unpacked reference
 import transformers
 
 from hybrid_pack.boundaries import PackedBoundaries
