@@ -7,27 +7,26 @@ import torch.distributed as dist
 
 from hybrid_pack.distributed import distributed
 from hybrid_pack.ops.dispatch import verdicts
+from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
-from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
+from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, registered_ops
 from hybrid_pack.ops.dispatch.selector import local_verdict, resolve, verdict_key, verification_enabled
-from hybrid_pack.ops.dispatch.status import default_device
 from hybrid_pack.ops.dispatch.verdicts import cache_dir, device_name
 
 __all__ = ["report"]
 
 
-def _status(op: str, name: str, chosen: str, device: torch.device, dtype: torch.dtype) -> str:
-    backend = next(b for b in backends_of(op) if b.name == name)
+def _status(backend: Backend, chosen: Backend, device: torch.device, dtype: torch.dtype) -> str:
     why = backend.reason(device, dtype, True)
     if why:
         return f"no: {why}"
     if backend.reference:
-        return "CHOSEN (pure torch)" if name == chosen else "ok (pure torch, the fallback)"
+        return "CHOSEN (pure torch)" if backend is chosen else "ok (pure torch, the fallback)"
     if not verification_enabled():
-        return "CHOSEN (unchecked: HYBRID_PACK_VERIFY=0)" if name == chosen else "ok (lower priority, unchecked)"
-    signature = contract_of(op).default_signature(dtype, device.type)
-    if name != chosen and backend.priority < next(b.priority for b in backends_of(op) if b.name == chosen):
+        return "CHOSEN (unchecked: HYBRID_PACK_VERIFY=0)" if backend is chosen else "ok (lower priority, unchecked)"
+    if backend is not chosen and backend.priority < chosen.priority:
         return "ok (lower priority; not checked)"
+    signature = contract_of(backend.op).default_signature(dtype, device.type)
     verdict = verdicts.SETTLED.get(verdict_key(backend, signature, device, True))
     if verdict is None and not distributed():
         verdict = local_verdict(backend, signature, device, True)
@@ -37,18 +36,10 @@ def _status(op: str, name: str, chosen: str, device: torch.device, dtype: torch.
 
 
 def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:
-    """Per op: the backend chosen for a typical call with backward, and every alternative with why not; then
-    the context-parallel backends (for a row split across ranks) with whether they may serve here.
-
-    Choosing checks the kernels it would pick (cached on disk per environment); lower-priority ones are
-    left unchecked (``hybrid-pack backends --verify`` checks them all). Under ``torch.distributed`` it shows the
-    verdicts the ranks settled (``hybrid_pack.backends.verify()``); it starts no collective, so one rank may print
-    it alone.
-    """
-    return _report(torch.device(device) if device is not None else default_device(), dtype)
-
-
-def _report(device: torch.device, dtype: torch.dtype) -> str:
+    """Per op: the backend chosen for a typical call with backward and why not each other; then the sharded
+    backends. It checks the kernels it would pick (lower-priority ones stay unchecked); under
+    ``torch.distributed`` it shows the settled verdicts and starts no collective."""
+    device = torch.device(device) if device is not None else default_device()
     check = f"self-check on, results kept in {cache_dir()}" if verification_enabled() else "self-check OFF"
     if distributed():
         check += f"; verdicts settled for the {dist.get_world_size()} ranks by hybrid_pack.backends.verify()"
@@ -56,10 +47,10 @@ def _report(device: torch.device, dtype: torch.dtype) -> str:
     header = f"{'op':<12} {'backend':<14} {'boundaries via':<22} status"
     lines += [header, "-" * len(header)]
     for op in registered_ops():
-        chosen = resolve(op, device=device, dtype=dtype, requires_grad=True, strict=False).name
+        chosen = resolve(op, device=device, dtype=dtype, requires_grad=True, strict=False)
         for backend in backends_of(op):
             lines.append(f"{op:<12} {backend.name:<14} {backend.boundary_arg:<22} "
-                         f"{_status(op, backend.name, chosen, device, dtype)}")
+                         f"{_status(backend, chosen, device, dtype)}")
         typical = signature_text(contract_of(op).default_signature(dtype, device.type))
         lines.append(f"{'':<12} (typical call: {typical})")
     lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",

@@ -1,23 +1,11 @@
-"""The ops as ``torch.library`` custom ops: how a compiled graph calls a backend that has no static form.
+"""The ops as ``torch.library`` custom ops: how a compiled graph calls a backend with no static form.
 
-Inside ``torch.compile`` the boundaries are tensors only (:class:`~hybrid_pack.boundaries.static.StaticBoundaries`).
-The pure-torch backends have a static form (``ops/<op>/torch_static.py``: static shapes, no host read) that the
-graph traces inline, so the compiler derives their backward and saves what it needs, and the step can be captured
-in a CUDA graph. A kernel backend (fla, mamba-ssm, causal-conv1d, flash-attn) derives its launch layout from the
-documents' lengths on the host, so it runs as one opaque node, ``hybrid_pack::<op>``, whose:
-
-- real implementation reads ``cu_seqlens`` (one host read per row: the one-entry cache below keeps the
-  :class:`PackedBoundaries` of the last ``cu_seqlens`` tensor seen, so all layers of a step share it and its
-  views), leaves out the zero-length segments of the static form, and calls the eager op with the backend the
-  graph chose while tracing (:mod:`hybrid_pack.ops.dispatch.route`);
-- fake implementation gives the output shapes from the input shapes alone;
-- backward (``register_autograd``) is a second custom op that recomputes the op under autograd and returns
-  its gradients: the same kernel and the same arithmetic as eager, at the price of one more forward pass of
-  the op in the backward.
-
-Recurrent states are per segment slot (``[S, ...]``): a zero-length slot passes its initial state through.
-On CUDA the host read of ``cu_seqlens`` cannot be captured in a CUDA graph (``mode="reduce-overhead"``):
-:func:`_packed_boundaries` raises naming the op instead of capturing a wrong graph.
+A kernel backend derives its launch layout from the documents' lengths on the host, so inside ``torch.compile`` it
+runs as one opaque node ``hybrid_pack::<op>``: the real implementation reads ``cu_seqlens`` once per row (the
+one-entry cache below is shared by a step's layers), leaves out the static form's zero-length segments and calls
+the eager op with the backend chosen while tracing; the fake gives output shapes; the backward is a second op that
+recomputes the op under autograd. Recurrent states are per segment slot ``[S, ...]``. The host read cannot be
+captured in a CUDA graph: :func:`_packed_boundaries` raises naming the op.
 """
 
 from __future__ import annotations
@@ -36,12 +24,6 @@ __all__ = ["PackedCustomOp"]
 
 _LIBRARY = torch.library.Library("hybrid_pack", "DEF")
 _last = threading.local()
-
-Eager = Callable[..., Any]
-"""The eager op: ``eager(*tensors, boundaries, **options)`` returning a tensor or a tuple (None entries allowed)."""
-Fake = Callable[..., Sequence[torch.Tensor]]
-"""``fake(tensors, num_segments, **options)``: empty outputs of the right shapes and dtypes."""
-
 
 def like_first_input(tensors: Sequence[torch.Tensor | None], num_segments: int, **options: Any) -> list[torch.Tensor]:
     """The fake of an op whose one output has the shape and dtype of its first input (attention, the conv)."""
@@ -74,8 +56,7 @@ def _no_grad(like: torch.Tensor) -> torch.Tensor:
 
 def _states_per_slot(out: Any, tensors: Sequence[torch.Tensor | None], state_input: int | None,
                      num_segments: int) -> list[torch.Tensor]:
-    """The eager op's outputs as a list; a per-document state ``[n, ...]`` padded to the ``[S, ...]`` slots with
-    the unused slots' initial states (zeros without one)."""
+    """The outputs as a list; a state ``[n, ...]`` padded to ``[S, ...]`` with the initial states (or zeros)."""
     outputs = list(out) if isinstance(out, tuple) else [out]
     if len(outputs) == 2 and outputs[1] is not None:
         state = outputs[1]
@@ -88,22 +69,15 @@ def _states_per_slot(out: Any, tensors: Sequence[torch.Tensor | None], state_inp
 
 @dataclass(frozen=True)
 class PackedCustomOp:
-    """One op exposed to the compiler as ``hybrid_pack::<name>`` (forward) and ``hybrid_pack::<name>_backward``.
-
-    Args:
-        name: the op's name in the library.
-        tensors: the op's tensor arguments in order (``"bias?"``: optional).
-        options: schema of its other arguments, e.g. ``"bool causal, float softmax_scale"`` (``""``: none).
-        eager: the public op.
-        fake: its outputs' shapes (see :data:`Fake`; default: one output like the first input).
-        state_input: index in ``tensors`` of the initial recurrent state, if the op has one.
-    """
+    """One op as ``hybrid_pack::<name>`` and ``hybrid_pack::<name>_backward``: ``tensors`` in order (``"bias?"``:
+    optional), ``options`` the schema of the rest (``"bool causal, float softmax_scale"``), ``eager`` the public op,
+    ``fake(tensors, num_segments, **options)`` its empty outputs, ``state_input`` the initial state's index."""
 
     name: str
     tensors: tuple[str, ...]
     options: str
-    eager: Eager
-    fake: Fake = like_first_input
+    eager: Callable[..., Any]
+    fake: Callable[..., Sequence[torch.Tensor]] = like_first_input
     state_input: int | None = None
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ import textwrap
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +141,7 @@ _OTHER_MODELS = textwrap.dedent("""
     from hybrid_pack.errors import UnsupportedModelError
     from hybrid_pack.integrations.transformers import patch_model
     from hybrid_pack.integrations.transformers.tiny import TINY_CONFIGS, tiny_config
+    from tests.support.torch_path import pure_torch_transformers
 
     def build(config):
         torch.manual_seed(0)
@@ -183,5 +185,7 @@ _OTHER_MODELS = textwrap.dedent("""
 def test_patching_leaves_every_other_model_bitwise_unchanged() -> None:
     """Unpatched models of every family (and Llama), padded and with restarting positions, ``sdpa`` and ``eager``:
     bitwise the same logits after other models of their families were patched as before any patching."""
-    result = subprocess.run([sys.executable, "-c", _OTHER_MODELS], capture_output=True, text=True, timeout=900)
+    root = Path(__file__).parents[2]   # tests.support for the torch path
+    result = subprocess.run([sys.executable, "-c", _OTHER_MODELS], capture_output=True, text=True, timeout=900,
+                            cwd=root)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -125,8 +125,8 @@ def direct_calls(trainer: Any, rank: int, counter: Forwards) -> tuple[list[int],
     if rank == 0:
         ids = torch.randint(3, 128, (3, width), generator=g)
         mask = torch.zeros(3, width, dtype=torch.long)
-        mask[0, 26:] = 1
-        mask[2, 25:] = 1                                     # sequence 1: no real token
+        mask[0, 14:22] = 1                                   # TRL's layout: prompt left-, completion right-padded
+        mask[2, 13:18] = 1                                   # a prompt without completion; sequence 1: no real token
         calls = [(ids, mask, 1), (ids[:2], torch.zeros(2, width, dtype=torch.long), 1)]
     else:
         ids = torch.randint(3, 128, (6, width), generator=g)

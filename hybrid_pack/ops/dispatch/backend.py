@@ -22,8 +22,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _stable_repr(value: Any) -> str:
-    """What identifies a value a kernel closes over, the same in every process: plain values by repr, functions by
-    their name and source, anything else by its type (a default repr holds a memory address)."""
+    """A value a kernel closes over, the same in every process (no memory address)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
     if isinstance(value, (tuple, list)):
@@ -46,33 +45,15 @@ def _imported(impl: Callable[..., Any] | str) -> Callable[..., Any]:
 
 @dataclass(frozen=True, eq=False)
 class Backend:
-    """One implementation of one op that keeps documents apart.
+    """One implementation of one op that keeps documents apart (docs/api.md §5a).
 
-    Attributes:
-        op: the op's name (``"attention"``, ``"conv"``, ``"gated_delta"``, ``"ssd"``, or a user's).
-        name: the name users force it by (``use_backends(conv="torch")``).
-        impl: the function, or ``"module:function"`` imported on first use; called as the public op
-            (docs/api.md §4) minus ``backend``: the op's tensors and ``boundaries`` positionally, the rest
-            as keywords.
-        priority: higher is tried first; the pure-torch backends are 0.
-        reference: a pure-torch backend (the oracle of the self-check); it serves without a check.
-        boundary_arg: how the kernel is told where documents start (shown in reports).
-        requires: importable module names the backend needs.
-        devices: device types it runs on.
-        dtypes: input dtypes it takes.
-        backward: whether it has a backward pass.
-        probe: extra environment check (versions, drivers): "" when fine, else the reason. Asked once.
-        device_probe: check of a device and dtype that can change at run time (Triton kernels on CPU
-            need the interpreter): "" when fine, else the reason. Asked every time.
-        accepts: per-call input check (widths, head dims...): "" when the kernel takes these inputs with
-            boundaries, else the reason. Gets the op's inputs by name.
-        limits: what ``accepts`` refuses, in words (for the docs' backend matrix).
-        sharded: it serves a row split across a context-parallel group itself (its own exchanges between the
-            ranks; called with a :class:`~hybrid_pack.parallel.ShardedBoundaries`); its self-check is collective
-            over the group. Other backends serve whole rows (plain or static).
-        static: the same computation on :class:`~hybrid_pack.boundaries.StaticBoundaries` with static shapes and
-            no host read (the function, or ``"module:function"``): what a compiled graph traces inline. A backend
-            without one is called inside a compiled graph through its opaque op (:mod:`hybrid_pack.ops.library`).
+    ``impl`` (or ``"module:function"``, imported on first use) is called as the public op minus ``backend``: tensors
+    and ``boundaries`` positionally, the rest as keywords. ``priority``: higher first (pure torch: 0); ``reference``:
+    the pure-torch oracle (serves unchecked); ``requires``: modules it imports; ``probe()`` (asked once),
+    ``device_probe(device, dtype)`` (every time) and ``accepts(inputs by name)`` (per call): "" or why not;
+    ``limits``: what ``accepts`` refuses, in words; ``sharded``: serves a row split across a context-parallel group
+    itself (checked collectively); ``static``: the same on StaticBoundaries with no host read, traced inline by
+    ``torch.compile`` (without one the op's opaque node serves, :mod:`hybrid_pack.ops.library`).
     """
 
     op: str
@@ -103,8 +84,7 @@ class Backend:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Names the code that runs: module, function, and a hash of its source and of the values it closes
-        over or is bound to (a check result kept on disk is reused for this exact code only)."""
+        """``module:function@hash`` of the code that runs and the values it closes over (names a kept result)."""
         fn = self.fn
         target = getattr(fn, "func", fn)  # functools.partial
         try:
@@ -133,10 +113,7 @@ class Backend:
         return self.probe() if self.probe is not None else ""
 
     def reason(self, device: torch.device, dtype: torch.dtype, requires_grad: bool) -> str:
-        """Why this backend cannot run on these inputs ("" when it can), before any self-check.
-
-        The static checks are cached per combination; ``device_probe`` is asked every time.
-        """
+        """Why this backend cannot run on these inputs ("" when it can), before any self-check."""
         key = (device.type, dtype, requires_grad)
         if key not in self._reasons:
             self._reasons[key] = (

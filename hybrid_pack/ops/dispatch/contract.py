@@ -1,10 +1,6 @@
-"""What the self-check must know of an op: the key of a call, and inputs for a check of that key.
-
-Each op declares one :class:`OpContract` beside its backends (``hybrid_pack/ops/<op>/check.py``).
-The *signature* of a call is what a kernel's correctness may depend on besides the tokens: head
-counts and dims, widths, chunk sizes, flags, and the dtype of every floating input. A backend is
-checked once per (device, signature, gradients needed); the check rebuilds inputs of exactly that
-signature on a short adversarial layout.
+"""What the self-check must know of an op (each op's ``check.py`` declares one :class:`OpContract`). A call's
+*signature* is what a kernel's correctness may depend on besides the tokens (sizes, flags, input dtypes); a backend
+is checked once per (device, signature, gradients) on inputs of that signature.
 """
 
 from __future__ import annotations
@@ -50,14 +46,8 @@ def signature_text(signature: Signature) -> str:
 
 @dataclass(frozen=True)
 class CheckCase:
-    """The inputs of one call of an op, in the op's argument order.
-
-    Attributes:
-        arguments: every argument but ``boundaries``, by name, in the order of the op's signature.
-        positional: the names passed positionally (before ``boundaries``); the rest go as keywords.
-        token_inputs: names of per-token tensors ``[1, T, ...]``.
-        document_inputs: names of per-document tensors ``[N, ...]`` (initial states).
-    """
+    """The inputs of one call: ``arguments`` (all but ``boundaries``, in the op's order), the names passed
+    ``positional``-ly, and those of the per-token ``[1, T, ...]`` and per-document ``[N, ...]`` tensors."""
 
     arguments: dict[str, Any]
     positional: tuple[str, ...]
@@ -77,20 +67,12 @@ class OpContract:
     """The self-check's view of one op.
 
     Attributes:
-        name: the op.
-        make_case: ``(signature, boundaries, generator) -> CheckCase``: inputs of that signature for a row with
-            these boundaries, every floating tensor in the dtype the signature names, on ``boundaries.device``.
-        outputs: ``result -> (token outputs [1, T, ...], document outputs [N, ...])``: what the op returned,
-            split into per-token tensors and per-document tensors (final states).
-        default_signature: ``(dtype, device type) -> signature`` of a typical call, for checks made without a
-            call (``select()``, ``verify()``): a model's sizes on CUDA, small ones on CPU (where kernels run
-            only in Triton's interpreter, a test path).
+        make_case: ``(signature, boundaries, generator) -> CheckCase`` on ``boundaries.device``.
+        outputs: ``result -> (token outputs [1, T, ...], document outputs [N, ...])``.
+        default_signature: ``(dtype, device type) -> signature`` of a typical call (``select()``, ``verify()``).
         edge: ``signature -> tokens``: the block length whose edges the check's documents end on.
-        reach: ``signature -> tokens``: how far back one token reads within its document outside a recurrence
-            (a conv's width; 1 otherwise).
-        check: the op's own check, for an op whose output is not per token (a loss): called like the generic one,
-            ``(case, boundaries, generator, backend, reference, contract, requires_grad) -> largest error``, raising
-            :class:`~hybrid_pack.isolation.Mismatch`; None: the generic check (:mod:`.selfcheck`).
+        reach: ``signature -> tokens`` one token reads back outside a recurrence (a conv's width; 1 otherwise).
+        check: the op's own check replacing the generic one (a loss), same arguments; None: :mod:`.selfcheck`.
     """
 
     name: str

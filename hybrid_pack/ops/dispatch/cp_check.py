@@ -1,19 +1,8 @@
-"""Backends with their own context parallelism prove themselves collectively before they serve (docs/api.md §5a, §10).
-
-A context-parallel backend (flash-linear-attention's ``fla.ops.cp``) exchanges between ranks itself, so
-it can only be checked with the whole group at once: every rank runs it and the pure-torch
-context-parallel path on the same adversarial row split across the group (one-token documents on
-both sides of a rank edge, a document over every rank, a padding segment), compares its slice of the
-outputs and of the gradients of one random projection within the dtype's tolerance, and the group
-all-reduces the verdict. It runs only inside the collective warm-up (:func:`hybrid_pack.backends.verify`),
-which settles the verdict for the group (:mod:`.warmup`); a call then only looks it up, so every rank
-takes the same path: the two paths exchange differently, and ranks that disagreed would wait on each other
-forever.
-
-A candidate that raises on every rank (an import or a compilation that fails) fails the check on
-every rank. One that raises on some ranks only, between two of its own exchanges, leaves the others
-waiting in that exchange: no check can recover from that; the process group's timeout ends the job.
-"""
+"""The collective self-check of a sharded backend (docs/api.md §5a, §10): every rank of the group runs it and the
+op's pure-torch context-parallel path on one adversarial row split across the group, compares its slice of the outputs
+and of one random projection's gradients, and the group all-reduces the verdict. It runs only inside the warm-up
+(:func:`hybrid_pack.backends.verify`), so every rank takes the same path. A kernel that raises on some ranks only,
+between its own exchanges, leaves the others waiting: the process group's timeout ends the job."""
 
 from __future__ import annotations
 
@@ -37,8 +26,7 @@ __all__ = ["adversarial_cp_row", "cp_check", "rank_arguments"]
 
 
 def rank_arguments(case: Any, sharded: ShardedBoundaries) -> dict[str, Any]:
-    """This rank's inputs of a check case (fresh leaves, floating ones requiring grad): its slice of every
-    per-token tensor, its documents' rows of every per-document tensor, every other tensor shared."""
+    """This rank's inputs of a check case as fresh leaves: its slice of the per-token and per-document tensors."""
     lo, hi = sharded.offset, sharded.offset + sharded.local.total_tokens
     docs = slice(sharded.first_segment, sharded.first_segment + sharded.local.num_docs)
     local = {}
@@ -68,11 +56,7 @@ def _outputs_and_grads(op: str, fn: Callable[..., Any], case: Any, sharded: Shar
 
 def cp_check(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
              group: Any, rank: int, world_size: int) -> CheckResult:
-    """The collective self-check of the sharded ``backend`` for this key, on the whole ``group``.
-
-    A collective: every rank of ``group`` calls it for the same key at the same point (inside
-    :func:`hybrid_pack.backends.verify`). The reference is the op's pure-torch context-parallel path.
-    """
+    """The self-check of the sharded ``backend`` for this key: collective, every rank of ``group`` calls it."""
     began = time.perf_counter()
     row = adversarial_cp_row(world_size, device)
     sharded = ShardedBoundaries.from_row(row, group=group, rank=rank, world_size=world_size)

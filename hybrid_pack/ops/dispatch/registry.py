@@ -1,8 +1,9 @@
-"""The registry of ops (their self-check contracts) and of the backends of each op."""
+"""The registry of ops (their self-check contracts) and of each op's backends, and what they can do here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,9 +12,10 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import KERNEL_DTYPES, Backend
 from hybrid_pack.ops.dispatch.contract import OpContract
+from hybrid_pack.ops.dispatch.verdicts import CheckResult
 
 __all__ = ["register_op", "registered_ops", "contract_of", "register", "unregister", "backends_of", "get_backend",
-           "reference_of"]
+           "reference_of", "BackendStatus", "available", "default_device"]
 
 _CONTRACTS: dict[str, OpContract] = {}
 _BACKENDS: dict[str, list[Backend]] = {}
@@ -46,27 +48,10 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
              priority: int | None = None, devices: tuple[str, ...] = ("cuda",),
              dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES, backward: bool = True, replace: bool = False,
              **details: Any) -> Backend:
-    """Add a backend for ``op``: a user's own kernel, or a wrapper of one (docs/api.md §5a).
-
-    ``fn`` takes the op's arguments as in docs/api.md §4 (the tensors and ``boundaries`` positionally, the
-    rest as keywords, no ``backend``) and returns what the op returns. Before it serves a call it must pass
-    the self-check for that call's key; a higher ``priority`` is preferred (the pure-torch backends are 0).
-
-    Args:
-        op: the op, or a ready :class:`Backend` (then nothing else is given).
-        name: unique per op; what ``use_backends(op=name)`` forces.
-        fn: the function, or ``"module:function"`` imported on first use.
-        priority: required; higher is tried first.
-        devices: device types it runs on.
-        dtypes: input dtypes it takes.
-        backward: whether it has a backward pass (without one it serves calls that need no gradient).
-        replace: replace a backend of the same name instead of raising.
-        **details: the other :class:`Backend` fields (``requires``, ``accepts``, ``probe``, ``device_probe``,
-            ``boundary_arg``, ``reference``, ``sharded``, ``static``).
-
-    Returns:
-        The registered :class:`Backend`.
-    """
+    """Add a backend ``name`` for ``op`` (or a ready :class:`Backend`), docs/api.md §5a: ``fn`` (or
+    ``"module:function"``) is called as the op (docs/api.md §4, no ``backend``) and serves a call only after passing
+    its self-check; ``priority`` is required (higher first; pure torch is 0); ``replace`` an existing name instead of
+    raising; ``details``: the other :class:`Backend` fields. Returns the registered backend."""
     if isinstance(op, Backend):
         backend = op
     else:
@@ -120,4 +105,36 @@ def reference_of(op: str) -> Backend:
         if b.reference:
             return b
     raise InputError(f"op: {op!r} has no reference (pure-torch) backend registered")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One row of :func:`available`: ``usable`` (it can run here and did not fail every check it took), ``reason``
+    (why not), and the known self-check results ``checks``."""
+
+    op: str
+    backend: str
+    usable: bool
+    reason: str
+    boundary_arg: str
+    priority: int
+    backward: bool
+    checks: tuple[CheckResult, ...] = field(default=())
+
+
+def available(op: str | None = None) -> list[BackendStatus]:
+    """Every backend of ``op`` (or of every op), whether it can run on this machine, and why not."""
+    rows = []
+    for name in registered_ops() if op is None else (op,):
+        for b in backends_of(name, sharded=None):
+            known = not b.environment_reason and verdicts.results(b.op, b.name)  # else no fingerprint to compute
+            checks = tuple(verdicts.results(b.op, b.name, b.fingerprint)) if known else ()
+            failed = [c for c in checks if not c.ok]
+            why = b.usable_here or (failed[-1].reason if failed and len(failed) == len(checks) else "")
+            rows.append(BackendStatus(b.op, b.name, not why, why, b.boundary_arg, b.priority, b.backward, checks))
+    return rows
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,15 +1,10 @@
-"""Choosing the backend that runs a call: priority, forcing, the environment override, and settled verdicts.
+"""Choosing the backend that runs a call (docs/api.md §5, §5a).
 
-A kernel backend serves a call only with a *settled* verdict for the call's key (op, backend, device, signature,
-gradients): settled by :func:`hybrid_pack.backends.verify`, the one warm-up (collective under ``torch.distributed``),
-or, in a single eager process, by the first call of the key, which runs the same self-check. Where no check may run
-(under ``torch.distributed``, inside a ``torch.compile`` trace or a CUDA graph capture) a kernel that could serve
-but has no settled verdict raises :class:`WarmUpError` naming the call to make: never a silent fallback.
-
-:func:`resolve` is the full choice; the ops' routes keep its answer per call key in :data:`verdicts.CHOICES`, so a
-call pays one dictionary look-up. An automatic choice skips a backend that cannot run, cannot take the inputs, or
-failed its check (logged once); a backend forced by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS``
-raises :class:`BackendUnavailableError` instead.
+A kernel serves a call only with a *settled* verdict for the call's key (op, backend, device, signature, gradients):
+settled by the warm-up :func:`hybrid_pack.backends.verify`, or in a single eager process by the key's first call.
+Where no check may run (``torch.distributed``, a trace, a CUDA graph capture) an unsettled kernel raises
+:class:`WarmUpError`. An automatic choice skips a backend that cannot run, refuses the inputs or failed its check
+(logged once); a forced one raises :class:`BackendUnavailableError` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -57,16 +52,9 @@ class WarmUpError(BackendUnavailableError):
 
 @dataclass(frozen=True)
 class Decision:
-    """Which backend serves calls of one op with one signature on one device, and why not the others before it.
-
-    Attributes:
-        op, backend: the op and the backend chosen.
-        device, signature: the calls' key (the signature as text).
-        requires_grad: whether the calls need a backward pass.
-        skipped: ``(backend, why)`` for every backend of higher priority that was passed over.
-        refused: those of them that could run here but refused these inputs or failed their self-check.
-        forced: the backend was forced (argument, ``use_backends`` or ``HYBRID_PACK_BACKENDS``).
-    """
+    """Which backend serves one op's calls of one signature on one device; ``skipped``: ``(backend, why)`` for each
+    higher-priority backend passed over; ``refused``: those of them that could run here but refused the inputs or
+    failed their check; ``forced``: by argument, ``use_backends`` or ``HYBRID_PACK_BACKENDS``."""
 
     op: str
     backend: str
@@ -80,10 +68,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Wanted:
-    """A call key met in the warm-up's discovery pass, as the ranks exchange it (no tensors, no device index).
-
-    ``group_ranks``: for a call on a sharded row, its context-parallel group's ranks; ``()`` for a whole row.
-    """
+    """A call key met while discovering, as the ranks exchange it; ``group_ranks``: a sharded call's group."""
 
     op: str
     device_type: str
@@ -155,7 +140,7 @@ def use_backends(**forced: str) -> Iterator[None]:
 
 
 def forced_context() -> Mapping[str, str]:
-    """The backends :func:`use_backends` forces here (read per call: one ``ContextVar`` read)."""
+    """The backends :func:`use_backends` forces here (one ``ContextVar`` read per call)."""
     return _forced.get()
 
 
@@ -166,77 +151,65 @@ def verdict_key(backend: Backend, signature: Signature, device: torch.device, re
     return VerdictKey(backend.op, backend.name, backend.fingerprint, verdicts.device_name(device), text, requires_grad)
 
 
-def _in_a_clean_thread(fn: Callable[[], CheckResult], device: torch.device) -> CheckResult:
-    """``fn()`` on a thread of its own: grad and inference mode, autocast, saved-tensor hooks (activation
-    checkpointing) and dispatch modes are per thread, so the caller's do not reach the check."""
+def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
+    """Run the self-check of ``backend`` for this key now, on this rank only, and keep the result (on disk too,
+    unless it ran out of memory). It runs on a thread of its own, so the caller's grad mode, autocast,
+    saved-tensor hooks and dispatch modes do not reach it."""
+    if tracing():
+        raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
+                          f"capture or a torch.compile trace; call {WARM_UP} before it")
+    key = verdict_key(backend, signature, device, requires_grad)
     outcome: dict[str, Any] = {}
 
     def target() -> None:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            outcome["result"] = fn()
+            outcome["result"] = run_check(backend, reference_of(backend.op), contract_of(backend.op), signature,
+                                          device, requires_grad)
         except BaseException as err:  # handed back to the caller's thread
             outcome["error"] = err
 
     thread = threading.Thread(target=target, name="hybrid_pack-selfcheck")
     thread.start()
     thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
-    """Run the self-check of ``backend`` for this key now, on this rank only, and keep the result (for the process
-    and on disk; a check that ran out of memory for this process only)."""
-    if tracing():
-        raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
-                          f"capture or a torch.compile trace; call {WARM_UP} before it")
-    key = verdict_key(backend, signature, device, requires_grad)
-    try:
-        result = _in_a_clean_thread(lambda: run_check(backend, reference_of(backend.op), contract_of(backend.op),
-                                                      signature, device, requires_grad), device)
-    except torch.cuda.OutOfMemoryError as err:
+    error = outcome.get("error")
+    if isinstance(error, torch.cuda.OutOfMemoryError):
         result = CheckResult(op=backend.op, backend=backend.name, ok=False,
-                             reason=f"ran out of memory in its self-check ({err})", max_error=float("nan"),
+                             reason=f"ran out of memory in its self-check ({error})", max_error=float("nan"),
                              seconds=0.0, device=key.device, signature=key.signature, requires_grad=requires_grad)
         verdicts.remember(key, result, persist=False)
         return result
-    verdicts.remember(key, result)
-    return result
+    if error is not None:
+        raise error
+    verdicts.remember(key, outcome["result"])
+    return outcome["result"]
+
+
+def _known(find: Any, backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
+           group_ranks: tuple[int, ...] = ()) -> CheckResult | None:
+    """``find(key)`` for the call's key; a passed check with gradients also serves a call that needs none."""
+    known = find(verdict_key(backend, signature, device, requires_grad, group_ranks))
+    if known is None and not requires_grad:
+        with_grad = find(verdict_key(backend, signature, device, True, group_ranks))
+        known = with_grad if with_grad is not None and with_grad.ok else None
+    return known
 
 
 def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
                   check: bool = True) -> CheckResult | None:
-    """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now.
-    A key checked with gradients also serves the calls that need none. None when unknown and not checked."""
-    known = verdicts.recall(verdict_key(backend, signature, device, requires_grad))
-    if known is None and not requires_grad:
-        with_grad = verdicts.recall(verdict_key(backend, signature, device, True))
-        known = with_grad if with_grad is not None and with_grad.ok else None
+    """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now."""
+    known = _known(verdicts.recall, backend, signature, device, requires_grad)
     if known is None and check:
         known = check_now(backend, signature, device, requires_grad)
     return known
 
 
-def _settled_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
-                     group_ranks: tuple[int, ...]) -> CheckResult | None:
-    known = verdicts.SETTLED.get(verdict_key(backend, signature, device, requires_grad, group_ranks))
-    if known is None and not requires_grad:
-        with_grad = verdicts.SETTLED.get(verdict_key(backend, signature, device, True, group_ranks))
-        known = with_grad if with_grad is not None and with_grad.ok else None
-    return known
-
-
 def _evidence(backend: Backend, signature: Signature, device: torch.device, dtype: torch.dtype,
               requires_grad: bool, group_ranks: tuple[int, ...], group: Any, strict: bool, traced: bool) -> str:
-    """Why ``backend`` may not serve for want of evidence ("" when its settled verdict passed).
-
-    In a single eager process an unsettled whole-row key is settled now (kept or checked). While discovering the
-    key is remembered for the warm-up. Elsewhere (``torch.distributed``, a sharded row, a trace) an unsettled key
-    raises :class:`WarmUpError` when ``strict``."""
-    known = _settled_verdict(backend, signature, device, requires_grad, group_ranks)
+    """Why ``backend`` may not serve for want of evidence ("" when its settled verdict passed). An unsettled key is
+    settled now in a single eager process, recorded while discovering, else (``strict``) raises WarmUpError."""
+    known = _known(verdicts.SETTLED.get, backend, signature, device, requires_grad, group_ranks)
     if known is not None:
         return known.reason
     if recording_keys():
@@ -271,35 +244,27 @@ def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requi
     return _evidence(candidate, signature, device, dtype, requires_grad, group_ranks, group, strict, traced)
 
 
+def _forcing(op: str, backend: str | None) -> tuple[str | None, str]:
+    return (backend, "backend=") if backend is not None else forced_now(op)
+
+
 def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False,
             backend: str | None = None, inputs: Mapping[str, Any] | None = None, signature: Signature | None = None,
             traced: bool = False, static_only: bool = False, sharded: tuple[tuple[int, ...], Any] | None = None,
             strict: bool = True) -> Backend | None:
     """The backend that runs ``op`` with these inputs: the full choice, made once per call key. Never communicates.
 
-    Args:
-        op: the op.
-        device, dtype, requires_grad: of the call.
-        backend: force this backend (else a forced one from :func:`use_backends` / ``HYBRID_PACK_BACKENDS``).
-        inputs: the call's inputs by name, for the backends' ``accepts`` checks.
-        signature: the call's signature; default: the op's typical signature for ``dtype``.
-        traced: the call is traced by ``torch.compile`` (no check may run).
-        static_only: only backends with a static form serve (a traced op with no opaque node).
-        sharded: ``(group ranks, group)`` of a call on a rank's slice of a row: the op's sharded backends are
-            chosen among, and None is returned when none serves (the op's pure-torch context-parallel path runs).
-        strict: raise :class:`WarmUpError` for a kernel that could serve without a settled verdict (else skip it).
-
-    Raises:
-        BackendUnavailableError: a forced backend cannot run, cannot take the inputs, or failed its check.
-        WarmUpError: a kernel could serve but its verdict was not settled where none may be taken now.
+    ``backend`` forces one (else :func:`use_backends` / ``HYBRID_PACK_BACKENDS``); ``inputs`` feed the backends'
+    ``accepts``; ``signature`` defaults to the op's typical one for ``dtype``; ``traced``: no check may run;
+    ``static_only``: only backends with a static form; ``sharded``: ``(group ranks, group)`` of a call on a rank's
+    slice of a row, choosing among the sharded backends (None when none serves: the pure-torch CP path runs);
+    ``strict``: an unsettled kernel that could serve raises :class:`WarmUpError` (else it is skipped).
+    Raises BackendUnavailableError when a forced backend cannot serve, or none can.
     """
     device = torch.device(device)
-    source = "backend=" if backend is not None else ""
-    if backend is None:
-        backend, source = forced_now(op)
+    backend, source = _forcing(op, backend)
     signature = signature if signature is not None else contract_of(op).default_signature(dtype, device.type)
     ranks, group = sharded if sharded is not None else ((), None)
-    candidates = backends_of(op, sharded=sharded is not None)
     if backend is not None:
         chosen = get_backend(op, backend)
         if sharded is not None and not chosen.sharded:
@@ -313,7 +278,7 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
         _decide(chosen, device, requires_grad, signature, [], [], forced=True)
         return chosen
     skipped, refused = [], []
-    for candidate in candidates:
+    for candidate in backends_of(op, sharded=sharded is not None):
         if static_only and candidate.static_fn is None:
             continue
         why = _why_not(candidate, device, dtype, requires_grad, inputs, signature, ranks, group, strict, traced)
@@ -331,15 +296,9 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
 
 def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
                       backend: str | None) -> Backend:
-    """The backend that runs ``op`` inside :func:`hybrid_pack.batch_invariant`: its pure-torch backend (no kernel's
-    self-check proves the mode's bitwise property yet, docs/api.md §7d; a usable kernel is logged once).
-
-    Raises:
-        BackendUnavailableError: a kernel backend is forced, or the pure-torch backend cannot run here.
-    """
-    source = "backend=" if backend is not None else ""
-    if backend is None:
-        backend, source = forced_now(op)
+    """Inside :func:`hybrid_pack.batch_invariant`: the pure-torch backend (no check proves a kernel batch-invariant,
+    docs/api.md §7d; a usable kernel is logged once). Raises BackendUnavailableError for a forced kernel."""
+    backend, source = _forcing(op, backend)
     reference = reference_of(op)
     if backend is not None and backend != reference.name:
         raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot serve inside "
@@ -357,8 +316,7 @@ def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requ
 
 
 def is_discovering() -> bool:
-    """Whether this call runs in the warm-up's own pass of the model (``verify(model=..., batch=...)``): no
-    training call."""
+    """Whether this call runs in the warm-up's own pass of the model (no training call)."""
     return _discovering.get() == "replay"
 
 
@@ -370,10 +328,8 @@ def recording_keys() -> bool:
 @contextlib.contextmanager
 def discovering(*, training_step: bool = False) -> Iterator[None]:
     """Inside the block, calls record the keys they need (for :func:`hybrid_pack.backends.verify`) and run on the
-    pure-torch backends; no check runs, nothing is logged and no choice is kept.
-
-    ``training_step``: the block is a real training step whose calls one batch cannot replay (TRL's GRPO and DPO,
-    several forwards per step), then followed by ``verify()``; else it is the warm-up's own pass of the model."""
+    pure-torch backends; no check runs, nothing is logged and no choice is kept. ``training_step``: the block is a
+    real training step (several forwards one batch cannot replay), followed by ``verify()``."""
     token = _discovering.set("step" if training_step else "replay")
     try:
         yield
@@ -391,7 +347,6 @@ def wanted(*, clear: bool = False) -> list[tuple[Wanted, Any]]:
 
 def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature,
             skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> None:
-    """Remember the first decision per (op, device, signature, grad, backend, why not the others)."""
     text = signature_text(signature)
     key = (chosen.op, str(device), text, requires_grad, chosen.name, tuple(refused))
     if key not in _decisions and not recording_keys():
@@ -405,6 +360,5 @@ def decisions() -> list[Decision]:
 
 
 def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:
-    """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype`` (in a single
-    process a kernel not yet checked for that call is checked now)."""
+    """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype``."""
     return resolve(op, device=device, dtype=dtype, requires_grad=requires_grad).name

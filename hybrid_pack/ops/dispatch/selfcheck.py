@@ -1,21 +1,10 @@
 """The self-check a kernel passes before it serves a call (docs/api.md §5a).
 
-The backend runs on one packed row of an adversarial layout (one-token documents, documents that
-end exactly on the kernel's block edges, a long document beside short ones, a trailing padding
-segment) with inputs of the call's signature, and
-
-1. its outputs agree with the pure-torch backend run in float64 on the same (rounded) inputs,
-   within the dtype's tolerance (:data:`hybrid_pack.isolation.TOLERANCE`, the relative error of
-   :func:`hybrid_pack.isolation.relative_error`);
-2. each document run alone gives what it got in the packed row;
-3. when gradients are needed, its gradients agree with the pure-torch backend's (within
-   ``GRADIENT_FACTOR`` times the tolerance), and the gradient of any one segment's outputs with
-   respect to every other segment's inputs is exactly zero.
-
-The row holds ``5 * edge + reach + 11`` tokens in seven segments (335 for 64-token chunks and a
-width-4 conv, 652 for attention's 128-token tiles): one forward and backward pass of the kernel and
-of the reference, one forward pass of the kernel per document alone, and one backward pass per
-segment. Anything the backend raises fails the check.
+On one packed row of an adversarial layout (one-token documents, documents ending on the kernel's block edges, a
+long one beside short ones, a padding segment) with inputs of the call's signature: (1) its outputs agree with the
+pure-torch backend run in float64, within the dtype's tolerance; (2) each document alone gives what it got packed;
+(3) with gradients, they agree with the reference's (within ``GRADIENT_FACTOR`` times the tolerance) and no segment's
+gradient reaches another segment's inputs. Anything the backend raises fails the check.
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ __all__ = ["run_check"]
 
 
 def _precision(case: CheckCase) -> torch.dtype:
-    """The least precise floating dtype among the per-token inputs: it sets the tolerance."""
+    """The least precise floating per-token input dtype: it sets the tolerance."""
     return least_precise(case.arguments[name].dtype for name in case.token_inputs
                          if isinstance(case.arguments.get(name), torch.Tensor))
 
@@ -131,14 +120,8 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
 
 def run_check(backend: Backend, reference: Backend, contract: OpContract, signature: Signature,
               device: torch.device, requires_grad: bool, *, layout: Layout | None = None) -> CheckResult:
-    """Check ``backend`` for calls of ``signature`` on ``device`` (with backward if ``requires_grad``).
-
-    ``layout`` replaces the short row (:func:`~hybrid_pack.isolation.selfcheck_layout`): the GPU test tier runs
-    the same check at real sizes (:func:`~hybrid_pack.isolation.real_size_layout`).
-
-    Raises:
-        torch.cuda.OutOfMemoryError: out of memory is no verdict on the kernel (the caller keeps none).
-    """
+    """Check ``backend`` for calls of ``signature`` on ``device`` (with backward if ``requires_grad``); ``layout``
+    replaces the short row. Raises torch.cuda.OutOfMemoryError (no verdict on the kernel)."""
     began = time.perf_counter()
     layout = layout or selfcheck_layout(contract.edge(signature), contract.reach(signature))
     boundaries = layout.boundaries(device)

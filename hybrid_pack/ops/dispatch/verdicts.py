@@ -1,11 +1,7 @@
-"""Results of backend self-checks, kept for the process and on disk per environment.
-
-A result is valid for one environment: the versions of torch, triton, the kernel packages and
-hybrid_pack itself (and a hash of hybrid_pack's source, so an edited checkout checks again), and the
-switches that change which kernel runs (``FLA_TILELANG``). Each environment has its own file under
-``HYBRID_PACK_CACHE`` (default ``~/.cache/hybrid_pack``), so an environment checks each kernel once,
-and an upgrade of any of them checks again. Inside a file, results are keyed by op, backend (and a
-hash of its code), the device's name, the call's signature and whether gradients were checked.
+"""Self-check results, kept for the process and on disk per environment: one file per environment (versions of
+torch, triton, the kernel packages, hybrid_pack and a hash of its source; ``FLA_TILELANG``) under
+``HYBRID_PACK_CACHE`` (default ``~/.cache/hybrid_pack``), keyed by op, backend (and its code's hash), device,
+signature and gradients.
 """
 
 from __future__ import annotations
@@ -37,20 +33,9 @@ SWITCHES = ("FLA_TILELANG", INTERPRET_ENV)
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One self-check of one backend (docs/api.md §5a).
-
-    Attributes:
-        op, backend: what was checked.
-        ok: it agreed with the pure-torch backend, packed agreed with alone, and no gradient crossed documents.
-        reason: why not ("" when ok).
-        max_error: the largest relative difference measured (to the reference, or packed to alone); for a failed
-            check, the difference (or the cross-segment gradient) that failed it; NaN when nothing was measured.
-        seconds: how long the check took.
-        device: the device's name.
-        dtype: the call's (lowest) floating dtype, which sets the tolerance.
-        signature: the call's signature (sizes, flags, dtypes) as text.
-        requires_grad: whether the backward pass was checked too.
-    """
+    """One self-check of one backend (docs/api.md §5a): ``ok``, ``reason`` ("" when ok), ``max_error`` (the largest
+    relative difference measured; NaN when none), ``seconds``, the ``device`` name, the ``dtype`` that set the
+    tolerance, the ``signature`` as text and ``requires_grad`` (the backward was checked)."""
 
     op: str
     backend: str

@@ -1,10 +1,5 @@
-"""The backends' one warm-up: :func:`verify` checks every key the ranks want and settles one verdict per key for the
-whole group (docs/api.md §5a, §9b), the same for one process, DDP, FSDP and context parallelism; afterwards each call
-looks its backend up (:mod:`.route`) and never communicates.
-
-A self-check can pass on one rank and fail on another (another GPU, driver or compiler cache); ranks that then ran
-different kernels would train on different numerics, or, on a sharded row, wait on each other forever. So every rank
-checks every key any rank met, and a backend serves a key only where it passed on every rank."""
+"""The one warm-up, :func:`verify`: every rank checks every key any rank met and a backend serves a key only where
+it passed on every rank (docs/api.md §5a, §9b); calls then look their backend up and never communicate."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ from hybrid_pack.distributed import distributed, share_objects
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.contract import dtype_name
 from hybrid_pack.ops.dispatch.cp_check import cp_check
-from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
+from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, registered_ops
 from hybrid_pack.ops.dispatch.selector import (
     Wanted,
     discovering,
@@ -29,7 +24,6 @@ from hybrid_pack.ops.dispatch.selector import (
     verification_enabled,
     wanted,
 )
-from hybrid_pack.ops.dispatch.status import default_device, default_dtypes
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
 __all__ = ["verify"]
@@ -38,36 +32,21 @@ __all__ = ["verify"]
 def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch: Mapping[str, Any] | None = None,
            device: torch.device | str | None = None, dtype: torch.dtype | None = None, requires_grad: bool = True,
            progress: bool | None = None) -> list[CheckResult]:
-    """The warm-up that settles which backend serves each op and call key, for every rank at once (docs/api.md §5a).
+    """The warm-up that settles which backend serves each op and call key, for every rank (docs/api.md §5a).
 
-    Call it once before the first forward (``train``, the trainers and the CLI do); under ``torch.distributed``
-    every rank calls it at the same point (it is collective). The ranks unite the keys they met, every rank checks
-    every key (a result kept on disk is reused), and a backend serves a key only where it passed on every rank; a
-    sharded backend's collective check runs on its context-parallel group. Where it was skipped (under
-    ``torch.distributed``, on a sharded row, in a compiled graph) a kernel that could serve a call raises
-    :class:`~.selector.WarmUpError` instead of checking or falling back silently.
-
-    The keys: with ``model`` and ``batch``, those one forward and backward pass of ``model(**batch)`` meets (run
-    eagerly on the pure-torch backends, gradients set to None after), and those met inside
-    :func:`~.selector.discovering` since the last warm-up; when there are none, each op's typical signature for
-    each dtype on ``device``, the pure-torch backends included (packed against alone, and against themselves in
-    float64).
-
-    Args:
-        op: only this op's keys (default: every op).
-        model, batch: the model and one batch as the training loop feeds it (this rank's share of a sharded row).
-        device: where to check (default: CUDA when available, else CPU).
-        dtype: the typical calls' dtype (default: bfloat16 and float32 on CUDA, float32 on CPU).
-        requires_grad: check the typical calls with their backward pass.
-        progress: a progress bar on stderr, one step per check (default: when stderr is a terminal).
-
-    Returns:
-        The verdict settled for each backend and key this rank checked (``op``, ``backend``, ``ok``, ``reason``,
-        ``max_error``, ``seconds``).
+    Call it once before the first forward; under ``torch.distributed`` every rank calls it (collective). The keys:
+    those one eager pass of ``model(**batch)`` on the pure-torch backends meets, and those met inside
+    :func:`~.selector.discovering`; with none, each op's typical signature per ``dtype`` (default: bfloat16 and
+    float32 on CUDA, float32 on CPU) on ``device``, the pure-torch backends included. ``op``: only its keys;
+    ``progress``: a progress bar (default: when stderr is a terminal). Returns the verdicts this rank settled.
     """
     device = default_device() if device is None else torch.device(device)
-    if model is not None:
-        _discover(model, batch or {})
+    if model is not None:  # one eager pass on the pure-torch backends records the keys; gradients reset after
+        with discovering(), torch.compiler.set_stance("force_eager"):
+            loss = _scalar(model(**(batch or {})))
+            if loss.requires_grad:
+                loss.backward()
+        model.zero_grad(set_to_none=True)
     met = dict(wanted(clear=True))
     groups = {c.group_ranks: group for c, group in met.items() if c.group_ranks}
     calls = [c for c in met if op is None or c.op == op]
@@ -81,7 +60,8 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
     if typical:
         calls = [Wanted(name, device.type, dtype_name(dt), requires_grad, contract_of(name).default_signature(
             dt, device.type)) for name in (registered_ops() if op is None else (op,))
-            for dt in ((dtype,) if dtype is not None else default_dtypes(device))]
+            for dt in ((dtype,) if dtype is not None else (torch.bfloat16, torch.float32) if device.type == "cuda"
+                       else (torch.float32,))]
     calls = sorted(set(calls), key=repr)  # the same order on every rank
     plain = [(b, c) for c in calls if not c.group_ranks for b in backends_of(c.op)
              if (typical or not b.reference) and not b.reason(device, getattr(torch, c.dtype), c.requires_grad)]
@@ -97,22 +77,19 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
 
 def _agree(results: list[tuple[VerdictKey, CheckResult]]) -> list[CheckResult]:
     """Settle each key's verdict: this rank's own in a single process, failed where any rank failed otherwise."""
-    if distributed():
-        everyone = share_objects({key.text(): (result.ok, result.reason) for key, result in results})
-        agreed = []
-        for key, result in results:
-            failed = [(rank, theirs.get(key.text(), (False, "cannot run there"))) for rank, theirs in
-                      enumerate(everyone)]
-            failed = [(rank, why) for rank, (ok, why) in failed if not ok]
-            if result.ok and failed:
-                result = dataclasses.replace(result, ok=False, reason=(
-                    f"passed its self-check here but not on rank {failed[0][0]} ({failed[0][1]}); every rank "
-                    "runs the same backend"))
-            agreed.append((key, result))
-        results = agreed
+    everyone = share_objects({key.text(): (result.ok, result.reason) for key, result in results}) if distributed() \
+        else []
+    settled = []
     for key, result in results:
+        failed = [(rank, why) for rank, theirs in enumerate(everyone)
+                  for ok, why in [theirs.get(key.text(), (False, "cannot run there"))] if not ok]
+        if result.ok and failed:
+            result = dataclasses.replace(result, ok=False, reason=(
+                f"passed its self-check here but not on rank {failed[0][0]} ({failed[0][1]}); every rank "
+                "runs the same backend"))
         verdicts.settle(key, result)
-    return [result for _, result in results]
+        settled.append(result)
+    return settled
 
 
 def _settle_sharded(calls: list[Wanted], device: torch.device, groups: dict[tuple[int, ...], Any]
@@ -125,27 +102,15 @@ def _settle_sharded(calls: list[Wanted], device: torch.device, groups: dict[tupl
     for call in calls:
         if rank not in call.group_ranks:
             continue
-        group = groups[call.group_ranks]
+        group, dtype = groups[call.group_ranks], getattr(torch, call.dtype)
         for backend in backends_of(call.op, sharded=True):
-            runnable = not backend.reason(device, getattr(torch, call.dtype), call.requires_grad)
-            everywhere = all(share_objects(runnable, group))
-            if not everywhere:
+            if not all(share_objects(not backend.reason(device, dtype, call.requires_grad), group)):
                 continue
             result = cp_check(backend, call.signature, device, call.requires_grad, group,
                               dist.get_group_rank(group or dist.group.WORLD, rank), len(call.group_ranks))
             verdicts.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)
             out.append(result)
     return out
-
-
-def _discover(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
-    """One forward and backward pass of ``model(**batch)`` on the pure-torch backends, recording the keys it asks
-    for; the parameters' gradients are set to None after."""
-    with discovering(), torch.compiler.set_stance("force_eager"):
-        loss = _scalar(model(**batch))
-        if loss.requires_grad:
-            loss.backward()
-    model.zero_grad(set_to_none=True)
 
 
 def _scalar(output: Any) -> torch.Tensor:
