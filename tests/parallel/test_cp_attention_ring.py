@@ -22,7 +22,7 @@ from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.isolation import Mismatch, adversarial_cp_row
 from hybrid_pack.ops.attention.check import check_partial, make_inputs
 from hybrid_pack.ops.attention.partial import BLOCKWISE, PartialAttention, from_differentiable
-from hybrid_pack.ops.attention.ring import ring_plan
+from hybrid_pack.ops.attention.ring import PIECES_PER_CHUNK, ring_plan
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import attention_signature
 from tests.workers import cp_attention_ring as worker
@@ -70,24 +70,24 @@ def test_ring_receives_one_chunk_at_a_time_and_every_earlier_key_once(layout, wo
         plans = [ring_plan(shard) for shard in shards]
         assert len({len(plan.passes) for plan in plans}) == 1, "every rank runs the same number of passes"
         for shard, plan in zip(shards, plans, strict=True):
-            assert plan.piece_tokens <= unit
+            assert plan.piece_tokens <= -(-unit // PIECES_PER_CHUNK)
             halos = [h for h in shard.chunk_first_positions[shard.rank] if h]
             assert len(plan.heads) == len(halos)
             received = [0] * len(halos)
             for exchange, head in plan.passes:
                 tokens = sum(stop - start for _, start, stop in exchange.pieces)
                 assert (tokens == 0) == (head is None)
-                assert tokens <= unit
+                assert tokens <= -(-unit // PIECES_PER_CHUNK)
                 if head is not None:
                     received[head] += tokens
             assert received == halos, "each head receives every earlier key of its document exactly once"
 
 
-def test_a_document_over_the_whole_row_holds_at_most_one_chunk_of_others_keys():
+def test_a_document_over_the_whole_row_holds_at_most_a_quarter_chunk_of_others_keys():
     world, total = 8, 8 * 1024
     plan = ring_plan(_shards(PackedBoundaries.from_lengths([total]), world, "contiguous")[-1])
-    assert plan.piece_tokens == total // world
-    assert len(plan.passes) == world - 1
+    assert plan.piece_tokens == total // world // PIECES_PER_CHUNK
+    assert len(plan.passes) == (world - 1) * PIECES_PER_CHUNK
 
 
 def _case(window: int | None = None):

@@ -3,14 +3,14 @@ one peer's part at a time (docs/parallel.md).
 
 A chunk's first segment is a *head* when its document began before the chunk (on an earlier rank, or, zigzag,
 in this rank's own earlier chunk). Its queries attend to every earlier key of the document and, causally, to its
-own. The earlier keys are cut where the row's chunks are cut (every rank's chunks, :func:`layout_chunks`): one
-*piece* per chunk, held by one rank. Pass 0 is each head over its own keys (causal, square); pass ``j >= 1``
-brings every rank its ``j``-th piece (one planned exchange for the whole group,
-:func:`~hybrid_pack.ops.cp.exchange.plan_exchange`; a rank with no ``j``-th piece only sends), attends the head's
-queries to it (every key seen) and merges by log-sum-exp. The next pass's exchange is posted before this pass's
-compute and waited for after it, so communication overlaps compute; a rank holds its own tokens and at most two
-pieces (one chunk each: ``T / R`` tokens contiguous, ``T / 2R`` zigzag) of keys and values, never the whole
-earlier document.
+own. The earlier keys are cut into *pieces* of a quarter of a chunk (:data:`PIECES_PER_CHUNK`), never across a
+chunk edge of the row (every rank's chunks, :func:`layout_chunks`), so each piece is held by one rank. Pass 0 is
+each head over its own keys (causal, square); pass ``j >= 1`` brings every rank its ``j``-th piece (one planned
+exchange for the whole group, :func:`~hybrid_pack.ops.cp.exchange.plan_exchange`; a rank with no ``j``-th piece
+only sends), attends the head's queries to it (every key seen) and merges by log-sum-exp. The next pass's
+exchange is posted before this pass's compute and waited for after it, so communication overlaps compute; a rank
+holds its own tokens and at most two pieces (a quarter chunk each: ``T / 4R`` tokens contiguous, ``T / 8R``
+zigzag) of keys and values, never the whole earlier document.
 
 The backward re-passes: the same exchanges bring the pieces again, each pass's ``(dq, dk, dv)`` comes from the
 backend's partial backward against the merged output and log-sum-exp (exact), ``dq`` stays here, and each
@@ -29,7 +29,11 @@ from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.attention.partial import PartialAttention
 from hybrid_pack.ops.cp.exchange import PendingExchange, TokenExchange, plan_exchange, post_gradients, post_tokens
 
-__all__ = ["RingPlan", "ring_plan", "ring_attention"]
+__all__ = ["PIECES_PER_CHUNK", "RingPlan", "ring_plan", "ring_attention"]
+
+PIECES_PER_CHUNK = 4
+"""Each chunk's keys and values travel in this many pieces: the buffers a pass holds (the piece, the next one in
+flight, its gradient and the gradient on its way back) are a quarter of a chunk each, for more, smaller rounds."""
 
 
 @dataclass(frozen=True)
@@ -51,16 +55,17 @@ class RingPlan:
 
 
 def _pieces(boundaries: ShardedBoundaries, rank: int) -> list[tuple[int, int, int]]:
-    """``(head, start, stop)``: the earlier row tokens of rank ``rank``'s heads cut at every chunk edge of the
-    row, nearest first."""
-    unit = boundaries.row.total_tokens // (boundaries.world_size * (2 if boundaries.layout == "zigzag" else 1))
+    """``(head, start, stop)``: the earlier row tokens of rank ``rank``'s heads cut into pieces of at most
+    ``1 / PIECES_PER_CHUNK`` of a chunk, never across a chunk edge of the row, nearest first."""
+    chunk = boundaries.row.total_tokens // (boundaries.world_size * (2 if boundaries.layout == "zigzag" else 1))
+    unit = -(-chunk // PIECES_PER_CHUNK)
     pieces, head = [], 0
     for (start, _), before in zip(boundaries.chunks_of(rank), boundaries.chunk_first_positions[rank], strict=True):
         if not before:
             continue
         stop = start
-        while stop > start - before:
-            lo = max(start - before, (stop - 1) // unit * unit)
+        while stop > start - before:   # cut at every piece edge and every chunk edge (one owner per piece)
+            lo = max(start - before, (stop - 1) // unit * unit, (stop - 1) // chunk * chunk)
             pieces.append((head, lo, stop))
             stop = lo
         head += 1
