@@ -9,8 +9,7 @@ Every name loads on first use, so importing the package (e.g. its pytest plugin)
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hybrid_pack.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -28,10 +27,4 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hybrid_pack' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).parents[1] / "hybrid_pack"
 
 # Lowest first: a module may import from its own layer and every layer before it.
 LAYERS = (
-    ("hybrid_pack.errors", "hybrid_pack.schema", "hybrid_pack.distributed"),
+    ("hybrid_pack.errors", "hybrid_pack.schema", "hybrid_pack.distributed", "hybrid_pack.lazy"),
     ("hybrid_pack.boundaries",),
     ("hybrid_pack.multimodal", "hybrid_pack.mrope", "hybrid_pack.data"),
     ("hybrid_pack.collate",),

@@ -3,8 +3,7 @@ mixes documents, before training and while it trains. Every name loads on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hybrid_pack.lazy import lazy_attributes
 
 _LAZY = {
     "IsolationError": "hybrid_pack.errors",
@@ -27,10 +26,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hybrid_pack.testing' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

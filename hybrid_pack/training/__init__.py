@@ -6,9 +6,7 @@ settings import alone (the command line builds its options from them); the train
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from hybrid_pack.lazy import lazy_attributes
 from hybrid_pack.training.config import DEFAULT_GUARD_EVERY, TrainConfig
 
 _LAZY = {
@@ -20,10 +18,4 @@ _LAZY = {
 
 __all__ = ["DEFAULT_GUARD_EVERY", "IsolationFailed", "PaddingCollator", "TrainConfig", "build_model", "train"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
