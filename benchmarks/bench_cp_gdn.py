@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +30,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cpu_ranks import arguments, cpu_seconds, print_table, run_ranks, write_result  # noqa: E402
 from hybrid_pack import PackedBoundaries  # noqa: E402
 from hybrid_pack.ops import gated_delta_rule  # noqa: E402
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp  # noqa: E402
@@ -73,31 +71,19 @@ def path_before() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     return module.gated_delta_rule_cp
 
 
-def cpu_seconds(fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor], weight: torch.Tensor,
-                repeats: int) -> float:
-    """Best process CPU time of forward + backward of ``sum(fn(**leaves) * weight)`` after one warm-up."""
-    best = float("inf")
-    for attempt in range(repeats + 1):
-        leaves = {name: x.detach().requires_grad_() for name, x in inputs.items()}
-        start = time.process_time()
-        (fn(**leaves) * weight).sum().backward()
-        if attempt:
-            best = min(best, time.process_time() - start)
-    return best
-
-
 def measure(shard: ShardedBoundaries, inputs: dict[str, torch.Tensor], weight: torch.Tensor,
             before: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], repeats: int) -> dict[str, float]:
     """This rank's CPU seconds of the path before, the path after and the single-device op on its slice."""
-    def sharded(path: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., torch.Tensor]:
-        return lambda **x: path(gated_delta_rule, x["q"], x["k"], x["v"], x["g"], x["beta"], shard,
-                                scale=DIMS["K"] ** -0.5, initial_state=None, output_final_state=False,
-                                use_qk_l2norm=False, backend="torch")[0]
+    def sharded(path: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+                ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        return lambda x: path(gated_delta_rule, x["q"], x["k"], x["v"], x["g"], x["beta"], shard,
+                              scale=DIMS["K"] ** -0.5, initial_state=None, output_final_state=False,
+                              use_qk_l2norm=False, backend="torch")[0]
 
     return {"before_cpu_s": cpu_seconds(sharded(before), inputs, weight, repeats),
             "after_cpu_s": cpu_seconds(sharded(gated_delta_rule_cp), inputs, weight, repeats),
             "single_device_cpu_s": cpu_seconds(
-                lambda **x: gated_delta_rule(*x.values(), shard.local, backend="torch")[0], inputs, weight, repeats)}
+                lambda x: gated_delta_rule(*x.values(), shard.local, backend="torch")[0], inputs, weight, repeats)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -127,34 +113,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, RESULTS, repeats=3)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    part = args.out.with_suffix(".part")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-                    "--worker", str(part), "--tokens", str(args.tokens), "--repeats", str(args.repeats)],
-                   check=True, env=env)
-    rows = json.loads(part.read_text())
-    part.unlink()
-    result = {"benchmark": "pure-torch Gated DeltaNet CP path, widened first segment only vs whole slice (before), "
-                           "rank 1 of 2, forward+backward",
-              "command": " ".join(["python", "benchmarks/bench_cp_gdn.py", *sys.argv[1:]]), "before": BEFORE,
-              "dims": DIMS, "dtype": "float32", "backend": "torch", "threads_per_rank": 1,
-              "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
-              "repeats": args.repeats, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print("| rank 1's slice | before s | after s | single-device s | after / before | after / single-device |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['row']} | {r['before_cpu_s']:.3f} | {r['after_cpu_s']:.3f} | {r['single_device_cpu_s']:.3f} | "
-              f"{r['after_over_before']:.2f} | {r['after_over_single_device']:.2f} |")
+    rows = run_ranks(__file__, 2, args.out, "--tokens", str(args.tokens), "--repeats", str(args.repeats))
+    write_result(args.out, "pure-torch Gated DeltaNet CP path, widened first segment only vs whole slice (before), "
+                           "rank 1 of 2, forward+backward", rows,
+                 before=BEFORE, dims=DIMS, dtype="float32", backend="torch", repeats=args.repeats)
+    print_table(["rank 1's slice", "before s", "after s", "single-device s", "after / before", "after / single-device"],
+                ([r["row"], f"{r['before_cpu_s']:.3f}", f"{r['after_cpu_s']:.3f}", f"{r['single_device_cpu_s']:.3f}",
+                  f"{r['after_over_before']:.2f}", f"{r['after_over_single_device']:.2f}"] for r in rows))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,9 @@ Writes ``benchmarks/results/cp_recurrent.json`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cpu_ranks import arguments, cpu_seconds, print_table, run_ranks, write_result
 from hybrid_pack import PackedBoundaries
 from hybrid_pack.ops import gated_delta_rule, mamba2_ssd
 from hybrid_pack.parallel import ShardedBoundaries
@@ -99,20 +97,6 @@ class ByteCounter:
         dist.all_gather, dist.all_reduce = gather, reduce
 
 
-def cpu_seconds(fn: Callable[[dict[str, torch.Tensor], PackedBoundaries], torch.Tensor],
-                inputs: dict[str, torch.Tensor], boundaries: PackedBoundaries, weight: torch.Tensor,
-                repeats: int) -> float:
-    """Best process CPU time of forward + backward of ``sum(fn(leaves, boundaries) * weight)`` after one warm-up."""
-    best = float("inf")
-    for attempt in range(repeats + 1):
-        leaves = {name: x.detach().requires_grad_() for name, x in inputs.items()}
-        start = time.process_time()
-        (fn(leaves, boundaries) * weight).sum().backward()
-        if attempt:
-            best = min(best, time.process_time() - start)
-    return best
-
-
 def row_of(total: int, args: argparse.Namespace) -> PackedBoundaries:
     """The benchmark's row of ``total`` tokens (the same in every process)."""
     num_docs = max(2, args.docs_per_4k * total // 4096)
@@ -135,7 +119,7 @@ def unsharded_times(args: argparse.Namespace) -> dict[tuple[str, int], float]:
         row = row_of(total, args)
         for op, (_, fn) in OPS.items():
             inputs, weight = inputs_and_weight(op, row, args)
-            times[op, total] = cpu_seconds(fn, inputs, row, weight, args.repeats)
+            times[op, total] = cpu_seconds(functools.partial(fn, boundaries=row), inputs, weight, args.repeats)
     return times
 
 
@@ -153,7 +137,7 @@ def worker(args: argparse.Namespace) -> None:
             inputs, weight = inputs_and_weight(op, row, args)
             local = {n: x[:, lo:hi] if n in TOKEN_DIM else x for n, x in inputs.items()}
             counter.sent = 0
-            sharded_s = cpu_seconds(fn, local, sharded, weight[:, lo:hi], args.repeats)
+            sharded_s = cpu_seconds(functools.partial(fn, boundaries=sharded), local, weight[:, lo:hi], args.repeats)
             sent_per_call = counter.sent // (args.repeats + 1)  # one forward + backward
             per_rank = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
             dist.all_gather(per_rank, torch.tensor([sharded_s, sent_per_call], dtype=torch.float64))
@@ -166,15 +150,20 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def table_line(r: dict) -> list[object]:
+    """One row's line of the printed table."""
+    slowest = max(r["sharded_cpu_s_per_rank"])
+    sent = sorted(set(r["bytes_sent_per_rank"]))
+    return [r["op"], r["ranks"], r["tokens"], f"{r['unsharded_cpu_s']:.3f}", f"{slowest:.3f}",
+            f"{slowest / r['unsharded_cpu_s']:.2f}", ", ".join(map(str, sent))]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, RESULTS, repeats=2)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--docs-per-4k", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -184,33 +173,17 @@ def main() -> None:
     unsharded = unsharded_times(args)
     rows = []
     for ranks in args.ranks:
-        part = args.out.with_suffix(f".{ranks}.part")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                   __file__, "--worker", str(part), "--tokens", *map(str, args.tokens),
-                   "--docs-per-4k", str(args.docs_per_4k), "--repeats", str(args.repeats), "--seed", str(args.seed)]
         print(f"{ranks} ranks: {len(args.tokens)} row lengths x {len(OPS)} ops ...", flush=True)
-        subprocess.run(command, check=True, env=env)
-        rows += [{**r, "unsharded_cpu_s": unsharded[r["op"], r["tokens"]]} for r in json.loads(part.read_text())]
-        part.unlink()
+        sharded = run_ranks(__file__, ranks, args.out, "--tokens", *map(str, args.tokens),
+                            "--docs-per-4k", str(args.docs_per_4k), "--repeats", str(args.repeats),
+                            "--seed", str(args.seed))
+        rows += [{**r, "unsharded_cpu_s": unsharded[r["op"], r["tokens"]]} for r in sharded]
 
-    result = {
-        "benchmark": "Gated DeltaNet and SSD context parallelism (gloo, CPU) vs the unsharded op, forward+backward",
-        "command": " ".join(["python", "benchmarks/bench_cp_recurrent.py", *sys.argv[1:]]),
-        "dims": {"gated_delta": GDN, "ssd": SSD}, "dtype": "float32", "backend": "torch", "threads_per_rank": 1,
-        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "repeats": args.repeats, "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-    print("| op | ranks | tokens | unsharded CPU s | slowest rank CPU s | ratio | bytes sent per rank |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        slowest = max(r["sharded_cpu_s_per_rank"])
-        sent = sorted(set(r["bytes_sent_per_rank"]))
-        print(f"| {r['op']} | {r['ranks']} | {r['tokens']} | {r['unsharded_cpu_s']:.3f} | {slowest:.3f} | "
-              f"{slowest / r['unsharded_cpu_s']:.2f} | {', '.join(map(str, sent))} |")
+    write_result(args.out, "Gated DeltaNet and SSD context parallelism (gloo, CPU) vs the unsharded op, "
+                           "forward+backward",
+                 rows, dims={"gated_delta": GDN, "ssd": SSD}, dtype="float32", backend="torch", repeats=args.repeats)
+    print_table(["op", "ranks", "tokens", "unsharded CPU s", "slowest rank CPU s", "ratio", "bytes sent per rank"],
+                map(table_line, rows))
 
 
 if __name__ == "__main__":

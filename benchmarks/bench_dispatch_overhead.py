@@ -1,11 +1,14 @@
 """Per-call dispatch overhead of every op: the public op against the backend it chose, called directly.
 
-    python benchmarks/bench_dispatch_overhead.py [--calls 2000] [--out benchmarks/results/dispatch_overhead.json]
+    python benchmarks/bench_dispatch_overhead.py [--calls 2000] [--repeats 1] [--ops conv ssd ...] [--label after]
+        [--out benchmarks/results/dispatch_overhead.json]
 
 Small CPU calls, no gradients. The chosen backend (the pure-torch one on a CPU) is replaced, for the whole run, by a
 stub that returns its precomputed result, so both timings hold the same stub call and their difference is the
 op's own Python: validation, the choice of the backend, the call's plumbing (target: <= 5 us). The op is first
 called once (the single process's warm-up); then the medians of ``--calls`` single calls, interleaved, are taken.
+With ``--repeats``, every op is measured that many times in turn and each figure is the median of the repeats (the
+overheads of all repeats are kept, for the spread).
 Also timed, for scale: the op forced to the pure-torch backend, and that backend called directly.
 """
 
@@ -88,23 +91,35 @@ def measure(op: str, calls: int) -> dict[str, Any]:
             "torch_op_us": real_op_us, "torch_direct_us": real_direct_us}
 
 
+def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One op's repeats: each figure's median, and the overheads of all of them (``overhead_us_runs``)."""
+    merged = {name: statistics.median(row[name] for row in rows) for name in rows[0] if name != "op"}
+    return {"op": rows[0]["op"], **merged, "overhead_us_runs": sorted(row["overhead_us"] for row in rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=1, help="measure every op this many times, in turn")
+    parser.add_argument("--ops", nargs="+", choices=list(PUBLIC), default=list(PUBLIC), help="the ops to time")
     parser.add_argument("--label", default="after", help="the key the results go under in the JSON (before/after)")
     parser.add_argument("--out", type=Path, default=RESULTS / "dispatch_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [measure(op, args.calls) for op in PUBLIC]
+    runs = [[measure(op, args.calls) for op in args.ops] for _ in range(args.repeats)]
+    rows = [median_of([run[i] for run in runs]) for i in range(len(args.ops))]
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data[args.label] = {"torch": torch.__version__, "python": platform.python_version(), "calls": args.calls,
-                        "ops": rows}
+                        "repeats": args.repeats, "ops": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"| op | overhead ({args.label}, us) | pure-torch op through dispatch (us) | called directly (us) |")
+    print(f"| op | overhead ({args.label}, us; min-max of {args.repeats}) | pure-torch op through dispatch (us) | "
+          "called directly (us) |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['op']} | {r['overhead_us']:.1f} | {r['torch_op_us']:.0f} | {r['torch_direct_us']:.0f} |")
+        runs = r["overhead_us_runs"]
+        print(f"| {r['op']} | {r['overhead_us']:.1f} ({runs[0]:.1f}-{runs[-1]:.1f}) | {r['torch_op_us']:.0f} | "
+              f"{r['torch_direct_us']:.0f} |")
 
 
 if __name__ == "__main__":

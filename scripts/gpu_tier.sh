@@ -15,9 +15,9 @@ VENV="$(dirname "$(dirname "$PYTHON")")"
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# transformers first (a newer one than the image's may be needed), then the kernels: the CUDA builds of
-# causal-conv1d and mamba-ssm take minutes, so this step dominates.
-"$PYTHON" -m pip install -q --no-index --no-deps --find-links "$WHEELHOUSE" --upgrade transformers \
+# transformers first (a newer one than the image's may be needed, with the newer dependencies it requires), then
+# the kernels: the CUDA builds of causal-conv1d and mamba-ssm take minutes, so this step dominates.
+"$PYTHON" -m pip install -q --no-index --find-links "$WHEELHOUSE" --upgrade transformers \
     || echo "gpu_tier: no transformers in $WHEELHOUSE; keeping $("$PYTHON" -c 'import transformers as t; print(t.__version__)')"
 WHEELHOUSE="$WHEELHOUSE" bash scripts/install_kernels_gpu.sh "$VENV" 2>&1 | tee "$OUT_DIR/install.log" | tail -12
 

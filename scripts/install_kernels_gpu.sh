@@ -33,7 +33,7 @@ if [[ -n "${WHEELHOUSE:-}" ]]; then
 fi
 ARCH=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'{major}.{minor}')")
 
-"${PIP[@]}" --no-deps "fla-core==$FLA_VERSION" "flash-linear-attention==$FLA_VERSION" "einops>=0.8"
+"${PIP[@]}" --no-deps "fla-core==$FLA_VERSION" "flash-linear-attention==$FLA_VERSION" "einops>=0.8" ninja
 TORCH_CUDA_ARCH_LIST="$ARCH" CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-16}" \
     "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall --no-cache-dir \
     "causal-conv1d==$CAUSAL_CONV1D_VERSION"  # no cache: the CPU tier's wheel of the same version has no CUDA extension

@@ -73,6 +73,10 @@ def is_batch_invariant() -> bool:
     return _active.get()
 
 
+inside_batch_invariant = _active.get
+""":func:`is_batch_invariant` for a caller that knows it runs eagerly (one ``ContextVar`` read)."""
+
+
 @assume_constant_result  # hybrid_pack.ops.compiler: torch._dynamo is not imported with the ops
 def _traced_flag() -> bool:
     return _active.get()

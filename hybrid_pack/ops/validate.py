@@ -28,6 +28,26 @@ def document_slots(boundaries: AnyBoundaries) -> int:
     return local_boundaries(boundaries).num_docs
 
 
+def packed_tokens(boundaries: AnyBoundaries, device: torch.device) -> int | None:
+    """``T``, the tokens ``boundaries`` describe here (``boundaries.local.total_tokens`` on a shard), when they are
+    on ``device``; None when they are elsewhere or are not boundaries.
+
+    The ops' common path: they compare every input's shape with the shapes ``T`` and the other sizes imply in one
+    tuple comparison, and run the checks naming the field at fault (:func:`check_packed`, :func:`check_shape`)
+    only when it fails."""
+    kind = type(boundaries)
+    if kind is ShardedBoundaries:
+        boundaries = boundaries.local
+    elif kind is not PackedBoundaries and kind is not StaticBoundaries:
+        return None
+    return boundaries.total_tokens if boundaries.device == device else None
+
+
+def shape_of(x: torch.Tensor | None) -> torch.Size | None:
+    """``x.shape``, None for an absent optional input (what the ops' one comparison holds for it)."""
+    return None if x is None else x.shape
+
+
 def check_packed(name: str, x: torch.Tensor, boundaries: AnyBoundaries, ndim: int) -> None:
     """Raise InputError unless ``x`` is ``[1, T, ...]`` with ``ndim`` dims and ``T`` the tokens the boundaries
     describe here (``boundaries.total_tokens``; ``boundaries.local.total_tokens`` on a shard), on their device."""
@@ -62,7 +82,11 @@ def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) ->
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an op on these inputs."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any() over a generator: this runs on every op call
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

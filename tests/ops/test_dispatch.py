@@ -151,6 +151,24 @@ def test_a_compiled_graph_follows_the_verdicts_settled_after_it_was_traced() -> 
     assert len(CALLS) == served + 1, "the compiled graph ran the planted kernel (its opaque node)"
 
 
+def test_a_compiled_graph_follows_use_backends() -> None:
+    """Forcing a backend after a graph was traced reaches the graph: inside ``use_backends`` the compiled function
+    runs the forced backend, and after the block the selector's choice again."""
+    plant()
+    boundaries = ROW.boundaries()
+    static = StaticBoundaries.from_boundaries(boundaries, max_documents=4)
+    args = conv_case(boundaries)
+    expected = conv(args, boundaries)  # settles the planted kernel's key: it serves from now on
+    compiled = torch.compile(lambda b: conv(args, b), backend="eager", fullgraph=True)
+    compiled(static)
+    served = len(CALLS)
+    with backends.use_backends(conv="torch"):
+        torch.testing.assert_close(compiled(static), expected)
+    assert len(CALLS) == served, "inside use_backends(conv='torch') the graph ran the planted kernel"
+    torch.testing.assert_close(compiled(static), expected)
+    assert len(CALLS) == served + 1, "after the block the graph is back on the planted kernel"
+
+
 def test_keys_tell_apart_what_signatures_tell_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each op's cheap key fixes its signature: calls with equal keys have equal signatures, over dtypes and optional
     inputs (as the routes receive them from the public ops)."""

@@ -27,7 +27,7 @@ from hybrid_pack.ops.cp.relayout import relayout_plan
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
 from hybrid_pack.schema import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from tests.workers import dist_context_parallel as worker
-from tests.workers.launch import torchrun
+from tests.workers.launch import launch_once, torchrun
 
 WORKER = Path(worker.__file__)
 WORLDS = (2, 4)
@@ -36,16 +36,7 @@ WORLDS = (2, 4)
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory):
     """``verdicts(world)``: every case's verdict of the one launch on ``world`` ranks (run on first use)."""
-    launched: dict[int, dict[str, str]] = {}
-
-    def of(world: int) -> dict[str, str]:
-        if world not in launched:
-            out = tmp_path_factory.mktemp(f"cp{world}") / "verdicts.json"
-            torchrun(WORKER, str(out), processes=world, timeout=600)
-            launched[world] = json.loads(out.read_text())
-        return launched[world]
-
-    return of
+    return launch_once(WORKER, tmp_path_factory.mktemp, timeout=600)
 
 
 @pytest.mark.distributed

@@ -3,7 +3,7 @@
 ``sharded_equals_unsharded``: tests/workers/cp_attention_ring.py on 2 and 4 ranks (gloo), every attention backend
 usable here, both layouts, with and without a window, on the adversarial context-parallel row and the
 context-parallel proofs' rows: outputs and q/k/v gradients equal the unsharded op's (float64, 1e-10), no gradient
-crosses a segment. On the host: the ring's plan bounds the keys and values a rank receives at once to one chunk,
+crosses a segment. On the host: the ring's plan bounds the keys and values a rank receives at once to one piece,
 and covers every earlier key exactly once; the partial forms' check (the self-check's context-parallel case)
 passes the blockwise form's oracle, flex attention's form (forward on CPU), the autograd adapter, and refuses a
 planted 0.1 % error.
@@ -11,7 +11,6 @@ planted 0.1 % error.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -26,23 +25,15 @@ from hybrid_pack.ops.attention.ring import PIECES_PER_CHUNK, ring_plan
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import attention_signature
 from tests.workers import cp_attention_ring as worker
-from tests.workers.launch import torchrun
+from tests.workers.launch import launch_once
 
 WORLDS = (2, 4)
 
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory):
-    launched: dict[int, dict[str, str]] = {}
-
-    def of(world: int) -> dict[str, str]:
-        if world not in launched:
-            out = tmp_path_factory.mktemp(f"ring{world}") / "verdicts.json"
-            torchrun(Path(worker.__file__), str(out), processes=world, timeout=900)
-            launched[world] = json.loads(out.read_text())
-        return launched[world]
-
-    return of
+    """``verdicts(world)``: every case's verdict of the one launch on ``world`` ranks (run on first use)."""
+    return launch_once(Path(worker.__file__), tmp_path_factory.mktemp, timeout=900)
 
 
 @pytest.mark.distributed
@@ -83,7 +74,7 @@ def test_ring_receives_one_chunk_at_a_time_and_every_earlier_key_once(layout, wo
             assert received == halos, "each head receives every earlier key of its document exactly once"
 
 
-def test_a_document_over_the_whole_row_holds_at_most_a_quarter_chunk_of_others_keys():
+def test_a_document_over_the_whole_row_holds_at_most_a_piece_of_others_keys_at_a_time():
     world, total = 8, 8 * 1024
     plan = ring_plan(_shards(PackedBoundaries.from_lengths([total]), world, "contiguous")[-1])
     assert plan.piece_tokens == total // world // PIECES_PER_CHUNK

@@ -20,9 +20,7 @@ Rank 0 writes ``{"verdicts": {case: "ok" or the failure}, "graphs": {case: count
 from __future__ import annotations
 
 import copy
-import json
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -41,7 +39,7 @@ from hybrid_pack.parallel.compile import compile_blocks
 from hybrid_pack.parallel.fsdp import apply_fsdp
 from hybrid_pack.schema import INPUT_IDS
 from tests.kit import assert_close
-from tests.workers.launch import exit_without_finalizing
+from tests.workers.launch import exit_without_finalizing, run_cases, write_on_rank0
 
 PACK_LENGTH, MAX_DOCUMENTS = 64, 8
 TOLERANCE = 1e-5  # fp32: inductor fuses what eager runs op by op
@@ -125,24 +123,14 @@ CASES: dict[str, Callable[[int, int], int]] = {"fsdp": fsdp, "context_parallel":
 
 def main(out_path: str, names: list[str]) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a case that hangs fails instead
-    rank, world = dist.get_rank(), dist.get_world_size()
-    verdicts, graphs = {}, {}
-    for name, case in CASES.items():
-        if names and name not in names:
-            continue
-        print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
-        try:
-            graphs[name] = case(rank, world)
-            verdict = "ok"
-        except Exception as error:  # every failure becomes the case's verdict
-            verdict = f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
-            print(verdict, file=sys.stderr, flush=True)
-        every = [None] * world
-        dist.all_gather_object(every, verdict)
-        verdicts[name] = next((v for v in every if v != "ok"), "ok")
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"verdicts": verdicts, "graphs": graphs}, f, indent=1)
+    world = dist.get_world_size()
+    graphs: dict[str, int] = {}  # a passed case's count of graphs on this rank
+
+    def counted(name: str) -> Callable[[int], None]:
+        return lambda rank: graphs.update({name: CASES[name](rank, world)})
+
+    verdicts = run_cases({name: counted(name) for name in CASES if not names or name in names})
+    write_on_rank0(out_path, {"verdicts": verdicts, "graphs": graphs})
     end_process_group()
 
 

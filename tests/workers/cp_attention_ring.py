@@ -10,9 +10,7 @@ gradient with respect to every other segment's tokens. Rank 0 writes ``{case: ve
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -28,7 +26,7 @@ from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import assert_close
 from tests.workers.dist_context_parallel import op_layouts
 from tests.workers.gathered import gather_tokens
-from tests.workers.launch import exit_without_finalizing
+from tests.workers.launch import exit_without_finalizing, run_cases, write_on_rank0
 
 TOL = 1e-10
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -96,21 +94,8 @@ def cases(world: int, names: list[str]) -> dict[str, Callable[[int], None]]:
 
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a case that hangs fails instead
-    rank, world = dist.get_rank(), dist.get_world_size()
     names = usable_backends()
-    verdicts = {"backends": ",".join(names)}
-    for name, case in cases(world, names).items():
-        try:
-            case(rank)
-            verdict = "ok"
-        except Exception as error:  # every failure becomes the case's verdict
-            verdict = f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
-        every = [None] * world
-        dist.all_gather_object(every, verdict)
-        verdicts[name] = next((v for v in every if v != "ok"), "ok")
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(verdicts, f, indent=1)
+    write_on_rank0(out_path, {"backends": ",".join(names), **run_cases(cases(dist.get_world_size(), names))})
     end_process_group()
 
 

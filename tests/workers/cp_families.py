@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import sys
 import traceback
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from hybrid_pack.modeling import from_preset
 from hybrid_pack.parallel import ShardedBoundaries, shard_batch
 from hybrid_pack.schema import BOUNDARIES, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from tests.workers.gathered import gather_tokens, summed
-from tests.workers.launch import exit_without_finalizing
+from tests.workers.launch import exit_without_finalizing, write_on_rank0
 
 ROWS = (Layout("crossing", (10, 40, 14)), Layout("padded", (10, 40, 8), num_pad_tokens=6))
 """64 tokens: on 2 ranks the 40-token document crosses the rank edge at token 32; ``padded`` ends in padding."""
@@ -218,9 +217,7 @@ def main(out_path: str) -> None:
         every = [None] * world
         dist.all_gather_object(every, result)
         results[name] = every[0] if all(r == every[0] for r in every) else {"raised": f"the ranks differ: {every}"}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    write_on_rank0(out_path, results)
     end_process_group()
 
 

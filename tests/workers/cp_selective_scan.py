@@ -13,7 +13,6 @@ largest gradient its outputs put on the other segments' tokens (must be exactly 
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import timedelta
 
@@ -28,7 +27,7 @@ from hybrid_pack.ops.selective_scan import selective_scan
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.workers.cp_recurrent import LAYOUTS
 from tests.workers.gathered import gather_tokens, summed
-from tests.workers.launch import exit_without_finalizing
+from tests.workers.launch import exit_without_finalizing, write_on_rank0
 
 CHANNELS, STATE = 6, 5
 TOKEN_INPUTS = ("x", "dt", "B", "C", "z")
@@ -104,9 +103,7 @@ def main(out: str) -> None:
             shard = ShardedBoundaries.from_row(row, group=None, rank=rank, world_size=world, layout=token_layout)
             results[f"{layout.name}/{token_layout}"] = sharded_against_unsharded(row, shard)
             results[f"{layout.name}/{token_layout}/isolation"] = gradient_across_documents(row, shard)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_on_rank0(out, results)
     end_process_group()
 
 

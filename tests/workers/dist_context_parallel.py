@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import sys
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -41,7 +39,7 @@ from tests.kit import (
     ssd_signature,
 )
 from tests.workers.gathered import gather_tokens, summed
-from tests.workers.launch import exit_without_finalizing
+from tests.workers.launch import exit_without_finalizing, run_cases, write_on_rank0
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 PER_RANK = 6
@@ -239,24 +237,9 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
 
 def main(out_path: str, groups: list[str]) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a case that hangs fails instead
-    rank, world = dist.get_rank(), dist.get_world_size()
-    verdicts = {}
-    for group, group_cases in cases(world).items():
-        if groups and group not in groups:
-            continue
-        for name, case in group_cases.items():
-            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
-            try:
-                case(rank)
-                verdict = "ok"
-            except Exception as error:  # every failure becomes the case's verdict
-                verdict = f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
-            every = [None] * world
-            dist.all_gather_object(every, verdict)
-            verdicts[name] = next((v for v in every if v != "ok"), "ok")
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(verdicts, f, indent=1)
+    chosen = {name: case for group, group_cases in cases(dist.get_world_size()).items()
+              if not groups or group in groups for name, case in group_cases.items()}
+    write_on_rank0(out_path, run_cases(chosen))
     end_process_group()
 
 

@@ -6,15 +6,19 @@ began before the chunk: on another rank, or on this one for the zigzag layout's 
 the selected backend's partial form (:mod:`hybrid_pack.ops.attention.partial`: flash-attn, flex, else the
 blockwise oracle), causal with the diagonal bottom right:
 
-- no window: ring passes over the document's earlier keys, one chunk-sized piece at a time, merged by
+- no window: ring passes over the document's earlier keys, one piece (an eighth of a chunk) at a time, merged by
   log-sum-exp, the next piece's exchange overlapping this one's compute (:mod:`hybrid_pack.ops.attention.ring`):
-  a rank holds at most two pieces of others' keys and values, never the whole earlier document;
+  a rank holds at most two pieces of others' keys and values, never the whole earlier document. The other
+  segments take their ``q, k, v`` from the ring (views), so each tensor's gradient fills one buffer of the rank's
+  size, not one per consumer;
 - a sliding ``window``: a head sees at most ``window - 1`` earlier keys, fetched in one exchange
   (:func:`~hybrid_pack.ops.cp.exchange.with_preceding_tokens` with ``limit=window - 1``), then one bottom-right
   call over ``[those keys, its own]``.
 
 Keys' and values' gradients go back to the ranks holding them. Serves every layout: under zigzag a rank's late
-chunk (long heads) balances its early one.
+chunk (long heads) balances its early one. No copy of a whole output or gradient is made where a view serves
+(``squeeze`` for the batch dimension, the ring's output itself for a rank of heads alone): per-rank peak memory
+is ``O(T / R)``, about ``1 / R`` of the unsharded op's (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``x``: ``x`` itself when that is all of it (a slice's backward is a zero tensor
+    of ``x``'s size)."""
+    return x if start == 0 and stop == x.shape[0] else x[start:stop]
+
+
 def _partial_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window: int | None,
                   backend: str | None) -> PartialAttention:
     """The partial form of the backend the selector picks for this call on a whole row (the one the other
@@ -97,42 +107,40 @@ def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
     if not plan.passes and not plan.heads and window is None:
         return local(q, k, v, boundaries.local)
     partial = _partial_form(q, k, v, softmax_scale, window, backend)
+    # squeeze, not [0]: its backward is a view (a select's would copy every gradient).
+    queries, keys, values = (t.squeeze(0) for t in (q, k, v))
+    firsts = [segments[0] if halo else 0 for halo, segments in zip(halos, boundaries.chunk_segments, strict=True)]
+    starts = [sum(length for _, length in boundaries.chunks[:i]) for i in range(len(halos))]
+    others = [(at + first, at + length) for at, first, (_, length) in zip(starts, firsts, boundaries.chunks,
+                                                                           strict=True)]
     if window is None:
-        # Every rank runs the ring, forward and backward (its exchanges are collectives).
-        ring = ring_attention(q[0], k[0], v[0], boundaries, partial=partial, scale=softmax_scale)
-        heads = ring.split([length for _, length in plan.heads]) if plan.heads else ()
-        keys, values, limits = k[0], v[0], (0,) * len(halos)
+        # Every rank runs the ring, forward and backward (its exchanges are collectives). The other segments take
+        # their q, k, v from it, so each tensor's gradient fills one buffer.
+        ring, other_parts = ring_attention(queries, keys, values, boundaries, partial=partial,
+                                           scale=softmax_scale, others=others)
+        heads = iter(ring.split([length for _, length in plan.heads]) if len(plan.heads) > 1 else (ring,))
+        head_outputs = [next(heads) if halo else None for halo in halos]
     else:
         # The exchange's output feeds every result, so every rank runs its backward (a collective).
-        extended, limits = with_preceding_tokens(torch.stack([k[0], v[0]], dim=1), boundaries, limit=window - 1)
+        extended, limits = with_preceding_tokens(torch.stack([keys, values], dim=1), boundaries, limit=window - 1)
         keys, values = extended[:, 0], extended[:, 1]
-    head_outputs: list[torch.Tensor | None] = []
-    other_queries, other_keys, other_values, other_lengths = [], [], [], []
-    at_local = at_keys = 0
-    for halo, limit, segments, (_, length) in zip(halos, limits, boundaries.chunk_segments, boundaries.chunks,
-                                                  strict=True):
-        first = segments[0] if halo else 0
-        if halo and window is None:
-            head_outputs.append(heads[sum(h is not None for h in head_outputs)])
-        elif halo:
-            span = slice(at_keys, at_keys + limit + first)
-            head_outputs.append(attend(partial, q[0, at_local:at_local + first], keys[span], values[span],
-                                       scale=softmax_scale, causal=True, window=window))
-        else:
-            head_outputs.append(None)
-        other_queries.append(q[0, at_local + first:at_local + length])
-        other_keys.append(keys[at_keys + limit + first:at_keys + limit + length])
-        other_values.append(values[at_keys + limit + first:at_keys + limit + length])
-        other_lengths.append(length - first)
-        at_local, at_keys = at_local + length, at_keys + limit + length
+        head_outputs, other_parts = [], []
+        for i, (halo, limit, at, first, (begin, end)) in enumerate(zip(halos, limits, starts, firsts, others,
+                                                                        strict=True)):
+            at_keys = at + sum(limits[:i]) + limit  # this chunk's first key, after its fetched ones
+            span = slice(at_keys - limit, at_keys + first)
+            head_outputs.append(attend(partial, queries[at:at + first], keys[span], values[span],
+                                       scale=softmax_scale, causal=True, window=window) if halo else None)
+            other_keys = (at_keys + begin - at, at_keys + end - at)
+            other_parts.append((_rows(queries, begin, end), _rows(keys, *other_keys), _rows(values, *other_keys)))
     rest = _other_segments(boundaries, halos)
     if rest is not None:
-        outputs = local(*(_joined(parts)[None] for parts in (other_queries, other_keys, other_values)), rest)[0]
-        other_outputs = outputs.split(other_lengths)
+        outputs = local(*(_joined(list(parts))[None] for parts in zip(*other_parts, strict=True)), rest).squeeze(0)
+        other_outputs = outputs.split([end - begin for begin, end in others]) if len(others) > 1 else (outputs,)
     else:
-        other_outputs = [q.new_empty(0, *q.shape[2:])] * len(head_outputs)
+        other_outputs = [q.new_empty(0, *q.shape[2:])] * len(halos)
     pieces = [piece for head, other in zip(head_outputs, other_outputs, strict=True)
-              for piece in ((other,) if head is None else (head, other))]
-    if window is None and not plan.heads:
-        pieces.append(ring)  # empty here, but in the graph: this rank's backward sends its pieces' gradients
+              for piece in ((other,) if head is None else (head, other)) if piece.shape[0]]
+    if window is None and len(pieces) == len(plan.heads):
+        return ring[None]  # this rank's tokens are its heads alone: the ring's output, uncopied
     return _joined(pieces)[None]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -12,7 +14,7 @@ from hybrid_pack.ops.attention.cp import varlen_attention_cp
 from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens
 
 
 @eager_on_shards
@@ -38,6 +40,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns:
         ``[1, T, H, D]`` in the dtype of ``q``.
     """
+    q_shape, k_shape = q.shape, k.shape
+    valid = len(q_shape) == 4 and len(k_shape) == 4 and k_shape[2] > 0 and q_shape[2] % k_shape[2] == 0
+    if valid:  # one comparison; the checks naming the field run only when it fails
+        _, _, h, head_dim = q_shape
+        device = q.device
+        t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
+        kv_shape = (1, t_len, k_shape[2], head_dim)
+        valid = (q_shape, k_shape, v.shape, k.device) == ((1, t_len, h, head_dim), kv_shape, kv_shape, device)
+    if not valid:
+        _check(q, k, v, boundaries)
+    if window is not None:
+        _check_window(window, causal)
+    scale = q_shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale, "window": window}, boundaries,
+                 backend=backend, requires_grad=needs_grad(q, k, v))
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries | StaticBoundaries
+           ) -> None:
+    """Raise :class:`InputError` naming the first of ``q``, ``k``, ``v`` at fault."""
     check_packed("q", q, boundaries, 4)
     check_packed("k", k, boundaries, 4)
     check_shape("v", v, k.shape)
@@ -45,10 +67,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise InputError(f"k: expected head dim {q.shape[-1]} (that of q); got shape {list(k.shape)}")
     if q.shape[2] % k.shape[2]:
         raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
-    _check_window(window, causal)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale, "window": window}, boundaries,
-                 backend=backend, requires_grad=needs_grad(q, k, v))
 
 
 def _check_window(window: int | None, causal: bool) -> None:
@@ -62,10 +80,17 @@ def _check_window(window: int | None, causal: bool) -> None:
         raise InputError(f"window: {window} is sliding-window causal attention; pass causal=True or window=None")
 
 
+def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """The route's key: the sizes but ``T``, the flags and the dtypes."""
+    q, k = arguments["q"], arguments["k"]
+    _, _, h, head_dim = q.shape
+    return (h, head_dim, k.shape[2], arguments["causal"], arguments["window"], q.dtype, k.dtype,
+            arguments["v"].dtype)
+
+
 ROUTE = OpRoute(
     OP, varlen_attention, positional=("q", "k", "v"),
-    key=lambda a: (a["q"].shape[2:], a["k"].shape[2], a["causal"], a["window"], a["q"].dtype, a["k"].dtype,
-                   a["v"].dtype),
+    key=_key,
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["causal"], a["window"]), sharded=varlen_attention_cp,
     opaque=PackedCustomOp("varlen_attention", ("q", "k", "v"), "bool causal, float softmax_scale, int? window",
                           varlen_attention),

@@ -49,6 +49,9 @@ class PartialAttention:
         forward: ``(q, k, v, *, scale, causal, window) -> (out, lse)``.
         backward: ``(grad_out, q, k, v, out, lse, *, scale, causal, window) -> (dq, dk, dv)``, ``out`` and
             ``lse`` of the merged attention.
+
+    Both return tensors of their own, aliasing no input (the ring merges into them and accumulates in them in
+    place, so that it holds no second copy).
     """
 
     backend: str

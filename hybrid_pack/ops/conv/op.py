@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -10,9 +12,9 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens, shape_of
 
 
 @eager_on_shards
@@ -34,21 +36,40 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Returns:
         ``[1, T, D]`` in the dtype of ``x``.
     """
+    x_shape, w_shape = x.shape, weight.shape
+    valid = len(x_shape) == 3 and len(w_shape) == 2 and activation in ACTIVATIONS
+    if valid:  # one comparison; the checks naming the field run only when it fails
+        channels = x_shape[2]
+        valid = (x_shape, w_shape[0], shape_of(bias)) == (
+            (1, packed_tokens(boundaries, x.device), channels), channels, None if bias is None else (channels,))
+    if not valid:
+        _check(x, weight, bias, boundaries, activation)
+    activation = "silu" if activation == "swish" else activation
+    return ROUTE({"x": x, "weight": weight, "bias": bias, "activation": activation}, boundaries, backend=backend,
+                 requires_grad=needs_grad(x, weight, bias))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           boundaries: PackedBoundaries | StaticBoundaries, activation: str | None) -> None:
+    """Raise :class:`InputError` naming the first input at fault."""
     check_packed("x", x, boundaries, 3)
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise InputError(f"weight: expected shape [D={x.shape[-1]}, W]; got {list(weight.shape)}")
     check_shape("bias", bias, (x.shape[-1],))
     if activation not in ACTIVATIONS:
         raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
-    activation = "silu" if activation == "swish" else activation
-    return ROUTE({"x": x, "weight": weight, "bias": bias, "activation": activation}, boundaries, backend=backend,
-                 requires_grad=needs_grad(x, weight, bias))
+
+
+def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """The route's key: the sizes but ``T``, the activation and the dtypes (an absent bias's None)."""
+    x, weight, bias = arguments["x"], arguments["weight"], arguments["bias"]
+    return (x.shape[2], weight.shape[1], arguments["activation"], x.dtype, weight.dtype,
+            None if bias is None else bias.dtype)
 
 
 ROUTE = OpRoute(
     OP, causal_conv1d, positional=("x", "weight", "bias"),
-    key=lambda a: (a["x"].shape[2], a["weight"].shape[1], a["activation"], a["x"].dtype, a["weight"].dtype,
-                   dtype_of(a["bias"])),
+    key=_key,
     signature=lambda a: signature_of(a["x"], a["weight"], a["bias"], a["activation"]), sharded=causal_conv1d_cp,
     opaque=PackedCustomOp("causal_conv1d", ("x", "weight", "bias?"), "str? activation", causal_conv1d),
     from_opaque=lambda outputs, _: outputs[0],

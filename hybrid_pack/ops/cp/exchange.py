@@ -166,12 +166,13 @@ def post_tokens(tokens: torch.Tensor, plan: TokenExchange, group: Any) -> Pendin
     return PendingExchange(requests, finish)
 
 
-def post_gradients(grad: torch.Tensor, plan: TokenExchange, group: Any, num_tokens: int) -> PendingExchange:
+def post_gradients(grad: torch.Tensor, plan: TokenExchange, group: Any, into: torch.Tensor) -> PendingExchange:
     """Post the backward of :func:`post_tokens`: ``grad`` ``[sum of the pieces' lengths, ...]`` of the assembled
-    tokens goes back to the tokens' owners; :meth:`PendingExchange.wait` returns this rank's ``[num_tokens, ...]``
-    (the received gradients and the local pieces', summed). A collective over ``group``."""
+    tokens goes back to the tokens' owners and is added, in place, into their ``into`` ``[T_local, ...]`` (this
+    rank's gradient accumulator, grad's dtype: the local pieces' now, the received ones in
+    :meth:`PendingExchange.wait`, which returns ``into``). A collective over ``group``."""
     grads = {peer: grad.new_zeros((count, *grad.shape[1:])) for peer, count in plan.receives}
-    grad_tokens = grads[plan.rank] = grad.new_zeros((num_tokens, *grad.shape[1:]))
+    grad_tokens = grads[plan.rank] = into
     at = 0
     for source, start, stop in plan.pieces:
         grads[source][start:stop] += grad[at:at + stop - start]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -11,9 +13,17 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.decay_linear_attention.check import OP, signature_of
 from hybrid_pack.ops.decay_linear_attention.cp import decay_linear_attention_cp
-from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
+from hybrid_pack.ops.validate import (
+    check_packed,
+    check_shape,
+    document_slots,
+    needs_grad,
+    packed_tokens,
+    shape_of,
+    state_dtype,
+)
 
 
 @eager_on_shards
@@ -46,23 +56,38 @@ def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Returns:
         ``(o [1, T, H, V] in v's dtype, final_state or None)``.
     """
+    q_shape, v_shape, g_shape = q.shape, v.shape, g.shape
+    valid = len(q_shape) == 4 and len(v_shape) == 4
+    if valid:  # one comparison; the checks naming the field run only when it fails
+        _, _, h, k_dim = q_shape
+        v_dim = v_shape[3]
+        device = q.device
+        t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
+        states = None if initial_state is None or t_len is None else (document_slots(boundaries), h, k_dim, v_dim)
+        valid = (q_shape, k.shape, v_shape, g_shape, shape_of(initial_state), k.device, v.device) == (
+            (1, t_len, h, k_dim), q_shape, (1, t_len, h, v_dim), (h,) if len(g_shape) == 1 else (1, t_len, h),
+            states, device, device)
+    if not valid:
+        _check(q, k, v, g, initial_state, boundaries)
+    if len(g_shape) == 1:  # one decay per head: the same at every token
+        g = g.expand(1, q_shape[1], q_shape[2])
+    scale = q_shape[3] ** -0.5 if scale is None else float(scale)
+    arguments = {"q": q, "k": k, "v": v, "g": g, "scale": scale, "initial_state": initial_state,
+                 "output_final_state": output_final_state}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, initial_state))
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
+           boundaries: PackedBoundaries | StaticBoundaries) -> None:
+    """Raise :class:`InputError` naming the first input at fault."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_packed(name, t, boundaries, 4)
     check_shape("k", k, q.shape)
     _, t_len, h, k_dim = q.shape
     if v.shape[2] != h:
         raise InputError(f"v: expected {h} heads (q's); got shape {list(v.shape)}")
-    v_dim = v.shape[3]
-    if g.dim() == 1:
-        check_shape("g", g, (h,))
-        g = g.expand(1, t_len, h)
-    else:
-        check_shape("g", g, (1, t_len, h))
-    check_shape("initial_state", initial_state, (document_slots(boundaries), h, k_dim, v_dim))
-    scale = k_dim ** -0.5 if scale is None else float(scale)
-    arguments = {"q": q, "k": k, "v": v, "g": g, "scale": scale, "initial_state": initial_state,
-                 "output_final_state": output_final_state}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, initial_state))
+    check_shape("g", g, (h,) if g.dim() == 1 else (1, t_len, h))
+    check_shape("initial_state", initial_state, (document_slots(boundaries), h, k_dim, v.shape[3]))
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
@@ -77,10 +102,17 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state:
     return [v.new_empty(v.shape), *(state if output_final_state else [])]
 
 
+def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """The route's key: the sizes but ``T``, the flag and the dtypes."""
+    q, v, initial_state = arguments["q"], arguments["v"], arguments["initial_state"]
+    _, _, h, k_dim = q.shape
+    return (h, k_dim, v.shape[3], arguments["output_final_state"], q.dtype, arguments["k"].dtype, v.dtype,
+            arguments["g"].dtype, None if initial_state is None else initial_state.dtype)
+
+
 ROUTE = OpRoute(
     OP, decay_linear_attention, positional=("q", "k", "v", "g"),
-    key=lambda a: (a["q"].shape[2:], a["v"].shape[3], a["output_final_state"], a["q"].dtype, a["k"].dtype,
-                   a["v"].dtype, a["g"].dtype, dtype_of(a["initial_state"])),
+    key=_key,
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], initial_state=a["initial_state"],
                                      output_final_state=a["output_final_state"]),
     sharded=decay_linear_attention_cp,

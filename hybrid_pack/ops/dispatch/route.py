@@ -25,9 +25,9 @@ from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
 from hybrid_pack.ops.dispatch.registry import get_backend
 from hybrid_pack.ops.dispatch.selector import forced_context, recording_keys, resolve, resolve_invariant
-from hybrid_pack.ops.invariant import SEQUENCE_MIXING, is_batch_invariant, per_document
+from hybrid_pack.ops.invariant import SEQUENCE_MIXING, inside_batch_invariant, is_batch_invariant, per_document
 
-__all__ = ["OpRoute", "route_of", "dtype_of"]
+__all__ = ["OpRoute", "route_of"]
 
 _ROUTES: dict[str, OpRoute] = {}
 
@@ -78,10 +78,12 @@ class OpRoute:
                  boundaries: PackedBoundaries | StaticBoundaries | ShardedBoundaries | None, *,
                  backend: str | None, requires_grad: bool) -> Any:
         """Run the op on ``arguments`` (every argument but ``boundaries`` and ``backend``, by name)."""
-        if self.mixing and is_batch_invariant():
-            return self._invariant(arguments, boundaries, backend, requires_grad)
         if torch.compiler.is_compiling():
+            if self.mixing and is_batch_invariant():
+                return self._invariant(arguments, boundaries, backend, requires_grad)
             return self._traced(arguments, boundaries, backend, requires_grad)
+        if self.mixing and inside_batch_invariant():
+            return self._invariant(arguments, boundaries, backend, requires_grad)
         sharded = None
         if type(boundaries) is ShardedBoundaries:
             boundaries.check_group()
@@ -161,11 +163,6 @@ class OpRoute:
         chosen = resolve_invariant(self.op, device=first.device, dtype=first.dtype, requires_grad=requires_grad,
                                    backend=backend)
         return per_document(self.op, chosen.fn, self.positional, arguments, boundaries)
-
-
-def dtype_of(tensor: torch.Tensor | None) -> torch.dtype | None:
-    """An optional input's dtype for a route's ``key`` (None when absent)."""
-    return None if tensor is None else tensor.dtype
 
 
 def route_of(op: str) -> OpRoute:

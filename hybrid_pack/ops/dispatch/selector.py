@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,8 +32,8 @@ from hybrid_pack.ops.dispatch.selfcheck import run_check
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
 __all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "Wanted", "WarmUpError", "resolve", "select", "use_backends",
-           "verification_enabled", "verdict_key", "local_verdict", "check_now", "decisions", "discovering",
-           "is_discovering", "recording_keys", "resolve_invariant", "forced_now", "forced_context", "tracing", "wanted"]
+           "verification_enabled", "verdict_key", "local_verdict", "decisions", "discovering", "is_discovering",
+           "recording_keys", "resolve_invariant", "forced_context", "tracing", "wanted"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -43,7 +43,6 @@ logger = logging.getLogger("hybrid_pack.backends")
 _logged: set[tuple[str, str, str]] = set()
 _forced: ContextVar[Mapping[str, str]] = ContextVar("hybrid_pack_forced_backends", default=MappingProxyType({}))
 _discovering: ContextVar[str] = ContextVar("hybrid_pack_discovering_keys", default="")
-_decisions: dict[tuple[Any, ...], Decision] = {}
 
 
 class WarmUpError(BackendUnavailableError):
@@ -78,6 +77,7 @@ class Wanted:
     group_ranks: tuple[int, ...] = ()
 
 
+_decisions: dict[tuple[Any, ...], Decision] = {}
 _wanted: dict[Wanted, Any] = {}  # an ordered set; a sharded key maps to its process group
 
 
@@ -96,6 +96,8 @@ def _log_once(op: str, name: str, why: str) -> None:
         _logged.add((op, name, why))
         logger.warning("%s: skipping backend %r: %s", op, name, why)
 
+
+# -- forcing a backend
 
 def _check_forced(mapping: Mapping[str, str], source: str) -> dict[str, str]:
     for op, name in mapping.items():
@@ -120,29 +122,35 @@ def _parse_env(raw: str) -> dict[str, str]:
     return _check_forced(pairs, ENV_VAR)
 
 
-def forced_now(op: str) -> tuple[str | None, str]:
-    """``(backend, source)`` forced for ``op`` by :func:`use_backends` or ``HYBRID_PACK_BACKENDS`` (else None)."""
-    ctx = _forced.get()
-    if op in ctx:
-        return ctx[op], "use_backends()"
+def _forcing(op: str, backend: str | None) -> tuple[str | None, str]:
+    """``(backend, source)`` forced for ``op``: by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS``."""
+    if backend is not None:
+        return backend, "backend="
+    if op in _forced.get():
+        return _forced.get()[op], "use_backends()"
     env = _parse_env(os.environ.get(ENV_VAR, "").strip())
     return (env[op], ENV_VAR) if op in env else (None, "")
 
 
 @contextlib.contextmanager
 def use_backends(**forced: str) -> Iterator[None]:
-    """Force backends inside a ``with`` block, e.g. ``use_backends(conv="torch", ssd="mamba_ssm")``."""
+    """Force backends inside a ``with`` block, e.g. ``use_backends(conv="torch", ssd="mamba_ssm")``. A compiled
+    graph is traced again inside and after the block (the choice is one of its constants)."""
     token = _forced.set(MappingProxyType({**_forced.get(), **_check_forced(forced, "use_backends")}))
+    verdicts.changed()
     try:
         yield
     finally:
         _forced.reset(token)
+        verdicts.changed()
 
 
 def forced_context() -> Mapping[str, str]:
     """The backends :func:`use_backends` forces here (one ``ContextVar`` read per call)."""
     return _forced.get()
 
+
+# -- the evidence a kernel serves on
 
 def verdict_key(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
                 group_ranks: tuple[int, ...] = ()) -> VerdictKey:
@@ -151,14 +159,27 @@ def verdict_key(backend: Backend, signature: Signature, device: torch.device, re
     return VerdictKey(backend.op, backend.name, backend.fingerprint, verdicts.device_name(device), text, requires_grad)
 
 
-def check_now(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool) -> CheckResult:
-    """Run the self-check of ``backend`` for this key now, on this rank only, and keep the result (on disk too,
-    unless it ran out of memory). It runs on a thread of its own, so the caller's grad mode, autocast,
-    saved-tensor hooks and dispatch modes do not reach it."""
+def _known(find: Callable[[VerdictKey], CheckResult | None], backend: Backend, signature: Signature,
+           device: torch.device, requires_grad: bool, group_ranks: tuple[int, ...] = ()) -> CheckResult | None:
+    """``find(key)`` for the call's key; a passed check with gradients also serves a call that needs none."""
+    known = find(verdict_key(backend, signature, device, requires_grad, group_ranks))
+    if known is None and not requires_grad:
+        with_grad = find(verdict_key(backend, signature, device, True, group_ranks))
+        known = with_grad if with_grad is not None and with_grad.ok else None
+    return known
+
+
+def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
+                  check: bool = True) -> CheckResult | None:
+    """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now, on this
+    rank only, on a thread of its own (the caller's grad mode, autocast, hooks and dispatch modes do not reach it),
+    and kept (on disk too, unless it ran out of memory)."""
+    known = _known(verdicts.recall, backend, signature, device, requires_grad)
+    if known is not None or not check:
+        return known
     if tracing():
         raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
                           f"capture or a torch.compile trace; call {WARM_UP} before it")
-    key = verdict_key(backend, signature, device, requires_grad)
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -173,36 +194,15 @@ def check_now(backend: Backend, signature: Signature, device: torch.device, requ
     thread = threading.Thread(target=target, name="hybrid_pack-selfcheck")
     thread.start()
     thread.join()
-    error = outcome.get("error")
+    key, error = verdict_key(backend, signature, device, requires_grad), outcome.get("error")
     if isinstance(error, torch.cuda.OutOfMemoryError):
-        result = CheckResult(op=backend.op, backend=backend.name, ok=False,
-                             reason=f"ran out of memory in its self-check ({error})", max_error=float("nan"),
-                             seconds=0.0, device=key.device, signature=key.signature, requires_grad=requires_grad)
-        verdicts.remember(key, result, persist=False)
-        return result
-    if error is not None:
+        outcome["result"] = CheckResult(backend.op, backend.name, False, f"ran out of memory in its self-check "
+                                        f"({error})", float("nan"), 0.0, key.device, signature=key.signature,
+                                        requires_grad=requires_grad)
+    elif error is not None:
         raise error
-    verdicts.remember(key, outcome["result"])
+    verdicts.remember(key, outcome["result"], persist=error is None)
     return outcome["result"]
-
-
-def _known(find: Any, backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
-           group_ranks: tuple[int, ...] = ()) -> CheckResult | None:
-    """``find(key)`` for the call's key; a passed check with gradients also serves a call that needs none."""
-    known = find(verdict_key(backend, signature, device, requires_grad, group_ranks))
-    if known is None and not requires_grad:
-        with_grad = find(verdict_key(backend, signature, device, True, group_ranks))
-        known = with_grad if with_grad is not None and with_grad.ok else None
-    return known
-
-
-def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
-                  check: bool = True) -> CheckResult | None:
-    """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now."""
-    known = _known(verdicts.recall, backend, signature, device, requires_grad)
-    if known is None and check:
-        known = check_now(backend, signature, device, requires_grad)
-    return known
 
 
 def _evidence(backend: Backend, signature: Signature, device: torch.device, dtype: torch.dtype,
@@ -216,9 +216,9 @@ def _evidence(backend: Backend, signature: Signature, device: torch.device, dtyp
         _wanted.setdefault(Wanted(backend.op, device.type, dtype_name(dtype), requires_grad, signature, group_ranks),
                            group)
         return "not settled yet (the warm-up's discovery pass)"
-    lazy = not distributed() and not group_ranks
     traced = traced or tracing()
-    known = local_verdict(backend, signature, device, requires_grad, check=not traced) if lazy else None
+    if not distributed() and not group_ranks:
+        known = local_verdict(backend, signature, device, requires_grad, check=not traced)
     if known is None:
         where = ("a compiled graph or a CUDA graph capture" if traced else "a call on a sharded row" if group_ranks
                  else "a run under torch.distributed")
@@ -232,21 +232,7 @@ def _evidence(backend: Backend, signature: Signature, device: torch.device, dtyp
     return known.reason
 
 
-def _why_not(candidate: Backend, device: torch.device, dtype: torch.dtype, requires_grad: bool,
-             inputs: Mapping[str, Any] | None, signature: Signature, group_ranks: tuple[int, ...] = (),
-             group: Any = None, strict: bool = True, traced: bool = False) -> str:
-    """Why ``candidate`` may not serve this call ("" when it may): availability, inputs, then evidence."""
-    why = candidate.reason(device, dtype, requires_grad)
-    if not why and candidate.accepts is not None and inputs is not None:
-        why = candidate.accepts(inputs)
-    if why or candidate.reference or not verification_enabled():
-        return why
-    return _evidence(candidate, signature, device, dtype, requires_grad, group_ranks, group, strict, traced)
-
-
-def _forcing(op: str, backend: str | None) -> tuple[str | None, str]:
-    return (backend, "backend=") if backend is not None else forced_now(op)
-
+# -- the choice
 
 def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False,
             backend: str | None = None, inputs: Mapping[str, Any] | None = None, signature: Signature | None = None,
@@ -262,29 +248,36 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
     Raises BackendUnavailableError when a forced backend cannot serve, or none can.
     """
     device = torch.device(device)
-    backend, source = _forcing(op, backend)
+    forced, source = _forcing(op, backend)
     signature = signature if signature is not None else contract_of(op).default_signature(dtype, device.type)
     ranks, group = sharded if sharded is not None else ((), None)
-    if backend is not None:
-        chosen = get_backend(op, backend)
+
+    def why_not(candidate: Backend, strict: bool) -> str:
+        if static_only and candidate.static_fn is None:
+            return "has no static form to trace in torch.compile (the pure-torch backend is traced there)"
+        why = candidate.reason(device, dtype, requires_grad)
+        if not why and candidate.accepts is not None and inputs is not None:
+            why = candidate.accepts(inputs)
+        if why or candidate.reference or not verification_enabled():
+            return why
+        return _evidence(candidate, signature, device, dtype, requires_grad, ranks, group, strict, traced)
+
+    if forced is not None:
+        chosen = get_backend(op, forced)
         if sharded is not None and not chosen.sharded:
             return None
-        why = ("serves rows split across a context-parallel group only" if chosen.sharded and sharded is None else
-               "has no static form to trace in torch.compile (the pure-torch backend is traced there)"
-               if static_only and chosen.static_fn is None else
-               _why_not(chosen, device, dtype, requires_grad, inputs, signature, ranks, group, traced=traced))
+        why = ("serves rows split across a context-parallel group only" if chosen.sharded and sharded is None
+               else why_not(chosen, True))
         if why:
-            raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot run here: {why}")
-        _decide(chosen, device, requires_grad, signature, [], [], forced=True)
-        return chosen
+            raise BackendUnavailableError(f"{op} backend {forced!r} (forced by {source}) cannot run here: {why}")
+        return _decide(chosen, device, requires_grad, signature, [], [], forced=True)
     skipped, refused = [], []
     for candidate in backends_of(op, sharded=sharded is not None):
         if static_only and candidate.static_fn is None:
             continue
-        why = _why_not(candidate, device, dtype, requires_grad, inputs, signature, ranks, group, strict, traced)
+        why = why_not(candidate, strict)
         if not why:
-            _decide(candidate, device, requires_grad, signature, skipped, refused, forced=False)
-            return candidate
+            return _decide(candidate, device, requires_grad, signature, skipped, refused, forced=False)
         skipped.append((candidate.name, why))
         if candidate.reason(device, dtype, requires_grad) == "":
             refused.append((candidate.name, why))
@@ -294,14 +287,24 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
     raise BackendUnavailableError(f"{op}: no backend can run on {device.type} with {dtype_name(dtype)}")
 
 
+def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature,
+            skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> Backend:
+    text = signature_text(signature)
+    key = (chosen.op, str(device), text, requires_grad, chosen.name, tuple(refused))
+    if key not in _decisions and not recording_keys():
+        _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
+                                   tuple(skipped), tuple(refused), forced)
+    return chosen
+
+
 def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
                       backend: str | None) -> Backend:
     """Inside :func:`hybrid_pack.batch_invariant`: the pure-torch backend (no check proves a kernel batch-invariant,
     docs/api.md §7d; a usable kernel is logged once). Raises BackendUnavailableError for a forced kernel."""
-    backend, source = _forcing(op, backend)
+    forced, source = _forcing(op, backend)
     reference = reference_of(op)
-    if backend is not None and backend != reference.name:
-        raise BackendUnavailableError(f"{op} backend {backend!r} (forced by {source}) cannot serve inside "
+    if forced is not None and forced != reference.name:
+        raise BackendUnavailableError(f"{op} backend {forced!r} (forced by {source}) cannot serve inside "
                                       f"batch_invariant(): no self-check proves it batch-invariant; force "
                                       f"{reference.name!r} or leave the backend to the selector")
     why = reference.reason(device, dtype, requires_grad)
@@ -314,6 +317,18 @@ def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requ
                   f"them batch-invariant); {reference.name!r} runs")
     return reference
 
+
+def decisions() -> list[Decision]:
+    """Every distinct choice this process made so far: which backend ran each op's calls, and why not the others."""
+    return list(_decisions.values())
+
+
+def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:
+    """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype``."""
+    return resolve(op, device=device, dtype=dtype, requires_grad=requires_grad).name
+
+
+# -- the warm-up's discovery of the keys a model needs
 
 def is_discovering() -> bool:
     """Whether this call runs in the warm-up's own pass of the model (no training call)."""
@@ -343,22 +358,3 @@ def wanted(*, clear: bool = False) -> list[tuple[Wanted, Any]]:
     if clear:
         _wanted.clear()
     return keys
-
-
-def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signature: Signature,
-            skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> None:
-    text = signature_text(signature)
-    key = (chosen.op, str(device), text, requires_grad, chosen.name, tuple(refused))
-    if key not in _decisions and not recording_keys():
-        _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
-                                   tuple(skipped), tuple(refused), forced)
-
-
-def decisions() -> list[Decision]:
-    """Every distinct choice this process made so far: which backend ran each op's calls, and why not the others."""
-    return list(_decisions.values())
-
-
-def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:
-    """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype``."""
-    return resolve(op, device=device, dtype=dtype, requires_grad=requires_grad).name

@@ -22,7 +22,7 @@ import torch
 from hybrid_pack.ops.triton_device import INTERPRET_ENV, cpu_interpreter_enabled
 
 __all__ = ["CheckResult", "VerdictKey", "remember", "recall", "forget", "results", "environment", "device_name",
-           "CACHE_ENV", "cache_dir", "SETTLED", "CHOICES", "settle", "generation"]
+           "CACHE_ENV", "cache_dir", "SETTLED", "CHOICES", "settle", "changed", "generation"]
 
 CACHE_ENV = "HYBRID_PACK_CACHE"
 PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
@@ -125,7 +125,8 @@ generation = 0
 """Counts the changes to :data:`CHOICES`: a compiled graph reads it, so it is traced again after a change."""
 
 
-def _changed() -> None:
+def changed() -> None:
+    """Forget every route's answers and re-trace compiled graphs (a verdict, a registration or a forcing changed)."""
     global generation
     CHOICES.clear()
     generation += 1
@@ -134,7 +135,7 @@ def _changed() -> None:
 def settle(key: VerdictKey, result: CheckResult) -> None:
     """Put ``result`` in force for ``key`` (the warm-up: the same on every rank)."""
     SETTLED[key] = result
-    _changed()
+    changed()
 _loaded_from: tuple[str | None, str] | None = None  # (HYBRID_PACK_CACHE, environment digest) of the file read
 
 
@@ -191,7 +192,7 @@ def forget(op: str, backend: str) -> None:
     for table in (_memory, SETTLED):
         for key in [k for k in table if k.op == op and k.backend == backend]:
             del table[key]
-    _changed()
+    changed()
 
 
 def results(op: str | None = None, backend: str | None = None, fingerprint: str | None = None) -> list[CheckResult]:

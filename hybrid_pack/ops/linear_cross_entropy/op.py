@@ -7,6 +7,8 @@ context-parallel shard's are the ``shift_labels`` :func:`~hybrid_pack.parallel.s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.errors import InputError
@@ -19,7 +21,12 @@ from hybrid_pack.schema import IGNORE_INDEX
 __all__ = ["linear_cross_entropy", "DEFAULT_CHUNK_SIZE"]
 
 
+_TARGET_DTYPES = frozenset({torch.int64, torch.int32})
+"""The common targets' dtypes, checked at once (any other integer dtype goes through :func:`_validate`)."""
+
+
 def _validate(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> None:
+    """Raise :class:`InputError` naming the first input at fault."""
     if hidden.dim() < 2 or not hidden.is_floating_point():
         raise InputError(f"hidden: expected a float tensor [..., H] (a packed row's [1, T, H]); got "
                          f"{hidden.dtype} of shape {list(hidden.shape)}")
@@ -65,8 +72,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     Returns:
         A float32 scalar (float64 for float64 inputs); 0 (with a zero gradient) when no target is left.
     """
-    _validate(hidden, weight, targets, chunk_size)
-    hidden_rows, target_rows = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    h_shape, w_shape, device = hidden.shape, weight.shape, hidden.device
+    valid = (len(h_shape) >= 2 and len(w_shape) == 2 and hidden.is_floating_point() and type(chunk_size) is int
+             and chunk_size >= 1 and targets.dtype in _TARGET_DTYPES
+             and (w_shape[1], weight.dtype, targets.shape, weight.device, targets.device)
+             == (h_shape[-1], hidden.dtype, h_shape[:-1], device, device))
+    if not valid:  # one comparison above; the checks naming the field run only when it fails
+        _validate(hidden, weight, targets, chunk_size)
+    if len(h_shape) == 2:  # already the backends' rows
+        hidden_rows, target_rows = hidden, targets
+    else:
+        hidden_rows, target_rows = hidden.reshape(-1, h_shape[-1]), targets.reshape(-1)
     arguments = {"hidden": hidden_rows, "weight": weight, "targets": target_rows, "chunk_size": chunk_size}
     total = ROUTE(arguments, None, backend=backend, requires_grad=needs_grad(hidden, weight))
     count = (target_rows != IGNORE_INDEX).sum() if num_items is None else num_items
@@ -77,8 +93,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return total / count
 
 
+def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """The route's key: ``H``, ``V``, the chunk size, the dtypes and whether there are no rows at all."""
+    hidden, weight = arguments["hidden"], arguments["weight"]
+    rows, size = hidden.shape
+    return (size, weight.shape[0], arguments["chunk_size"], hidden.dtype, weight.dtype, rows == 0)
+
+
 ROUTE = OpRoute(
     OP, linear_cross_entropy, positional=("hidden", "weight", "targets"),
-    key=lambda a: (a["hidden"].shape[1], a["weight"].shape[0], a["chunk_size"], a["hidden"].dtype, a["weight"].dtype,
-                   a["hidden"].shape[0] == 0),
+    key=_key,
     signature=lambda a: signature_of(a["hidden"], a["weight"], a["chunk_size"]))

@@ -9,6 +9,8 @@ no ``dt_softplus=False``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -16,11 +18,11 @@ from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.selective_scan.check import OP, signature_of
 from hybrid_pack.ops.selective_scan.cp import selective_scan_cp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad
+from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens, shape_of
 
 __all__ = ["selective_scan"]
 
@@ -49,6 +51,25 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         ``y [1, T, D]`` in x's dtype (computed in float32, or float64 for float64 inputs); on a shard, this rank's
         ``T_local`` tokens of the whole row's result.
     """
+    x_shape, a_shape = x.shape, A.shape
+    valid = len(x_shape) == 3 and len(a_shape) == 2
+    if valid:  # one comparison; the checks naming the field run only when it fails
+        channels = x_shape[2]
+        t_len = packed_tokens(boundaries, x.device)  # None: not boundaries, or elsewhere
+        b_shape, per_channel = (1, t_len, a_shape[1]), (channels,)
+        valid = (x_shape, a_shape[0], dt.shape, B.shape, C.shape, shape_of(D), shape_of(z), shape_of(dt_bias)) == (
+            (1, t_len, channels), channels, x_shape, b_shape, b_shape, None if D is None else per_channel,
+            None if z is None else x_shape, None if dt_bias is None else per_channel)
+    if not valid:
+        _check(x, dt, A, B, C, D, z, dt_bias, boundaries)
+    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(x, dt, A, B, C, D, z, dt_bias))
+
+
+def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+           D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+           boundaries: PackedBoundaries | StaticBoundaries | ShardedBoundaries) -> None:
+    """Raise :class:`InputError` naming the first input at fault."""
     check_packed("x", x, boundaries, 3)
     channels = x.shape[-1]
     if A.dim() != 2 or A.shape[0] != channels:
@@ -59,8 +80,6 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     check_shape("D", D, (channels,))
     check_shape("z", z, x.shape)
     check_shape("dt_bias", dt_bias, (channels,))
-    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(x, dt, A, B, C, D, z, dt_bias))
 
 
 def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -69,10 +88,17 @@ def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     return selective_scan(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, **options)
 
 
+def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """The route's key: the sizes but ``T`` and the dtypes (an absent input's None)."""
+    x, A, D, z, dt_bias = arguments["x"], arguments["A"], arguments["D"], arguments["z"], arguments["dt_bias"]
+    channels, state = A.shape
+    return (channels, state, x.dtype, arguments["dt"].dtype, A.dtype, arguments["B"].dtype, arguments["C"].dtype,
+            None if D is None else D.dtype, None if z is None else z.dtype, None if dt_bias is None else dt_bias.dtype)
+
+
 ROUTE = OpRoute(
     OP, selective_scan, positional=("x", "dt", "A", "B", "C"),
-    key=lambda a: (a["x"].shape[2], a["A"].shape[1], a["x"].dtype, a["dt"].dtype, a["A"].dtype, a["B"].dtype,
-                   a["C"].dtype, dtype_of(a["D"]), dtype_of(a["z"]), dtype_of(a["dt_bias"])),
+    key=_key,
     signature=lambda a: signature_of(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], z=a["z"],
                                      dt_bias=a["dt_bias"]),
     sharded=selective_scan_cp,

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
-from hybrid_pack.ops.dispatch.route import OpRoute, dtype_of
+from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
-from hybrid_pack.ops.validate import check_packed, check_shape, document_slots, needs_grad, state_dtype
+from hybrid_pack.ops.validate import (
+    check_packed,
+    check_shape,
+    document_slots,
+    needs_grad,
+    packed_tokens,
+    shape_of,
+    state_dtype,
+)
 
 
 @eager_on_shards
@@ -48,6 +58,34 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     Returns:
         ``y [1, T, H, P]`` in x's dtype, or ``(y, final_states)``.
     """
+    x_shape, b_shape = x.shape, B.shape
+    valid = len(x_shape) == 4 and len(b_shape) == 4 and b_shape[2] > 0 and x_shape[2] % b_shape[2] == 0
+    if valid:  # one comparison; the checks naming the field run only when it fails
+        _, _, h, p = x_shape
+        _, _, g, n = b_shape
+        device = x.device
+        t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
+        heads, d_shape = (h,), shape_of(D)
+        states = None if initial_states is None or t_len is None else (document_slots(boundaries), h, p, n)
+        valid = (x_shape, dt.shape, A.shape, b_shape, C.shape, shape_of(z), shape_of(dt_bias),
+                 shape_of(initial_states), B.device) == (
+            (1, t_len, h, p), (1, t_len, h), heads, (1, t_len, g, n), b_shape, None if z is None else x_shape,
+            None if dt_bias is None else heads, states, device) and (
+            d_shape is None or d_shape == heads or d_shape == (h, p)) and chunk_size >= 1
+    if not valid:
+        _check(x, dt, A, B, C, D, z, dt_bias, initial_states, boundaries, chunk_size)
+    requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
+                 "dt_softplus": dt_softplus, "chunk_size": chunk_size, "initial_states": initial_states,
+                 "return_final_states": return_final_states}
+    return ROUTE(arguments, boundaries, backend=backend, requires_grad=requires_grad)
+
+
+def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+           D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+           initial_states: torch.Tensor | None, boundaries: PackedBoundaries | StaticBoundaries, chunk_size: int
+           ) -> None:
+    """Raise :class:`InputError` naming the first input at fault."""
     check_packed("x", x, boundaries, 4)
     _, t_len, h, p = x.shape
     check_shape("dt", dt, (1, t_len, h))
@@ -64,11 +102,6 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     check_shape("initial_states", initial_states, (document_slots(boundaries), h, p, n))
     if chunk_size < 1:
         raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
-    requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
-    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
-                 "dt_softplus": dt_softplus, "chunk_size": chunk_size, "initial_states": initial_states,
-                 "return_final_states": return_final_states}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=requires_grad)
 
 
 def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -85,12 +118,21 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, return_final_states
     return [x.new_empty(x.shape), *(states if return_final_states else [])]
 
 
+def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """The route's key: the sizes but ``T``, the flags and the dtypes (an absent input's None)."""
+    x, B, D, z = arguments["x"], arguments["B"], arguments["D"], arguments["z"]
+    dt_bias, initial_states = arguments["dt_bias"], arguments["initial_states"]
+    _, _, h, p = x.shape
+    _, _, g, n = B.shape
+    return (h, p, g, n, arguments["chunk_size"], None if D is None else D.dim(), arguments["dt_softplus"],
+            arguments["return_final_states"], x.dtype, arguments["dt"].dtype, arguments["A"].dtype, B.dtype,
+            arguments["C"].dtype, None if D is None else D.dtype, None if z is None else z.dtype,
+            None if dt_bias is None else dt_bias.dtype, None if initial_states is None else initial_states.dtype)
+
+
 ROUTE = OpRoute(
     OP, mamba2_ssd, positional=("x", "dt", "A", "B", "C"),
-    key=lambda a: (a["x"].shape[2:], a["B"].shape[2:], a["chunk_size"], None if a["D"] is None else a["D"].dim(),
-                   a["dt_softplus"], a["return_final_states"], a["x"].dtype, a["dt"].dtype, a["A"].dtype,
-                   a["B"].dtype, a["C"].dtype, dtype_of(a["D"]), dtype_of(a["z"]), dtype_of(a["dt_bias"]),
-                   dtype_of(a["initial_states"])),
+    key=_key,
     signature=lambda a: signature_of(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], z=a["z"],
                                      dt_bias=a["dt_bias"], dt_softplus=a["dt_softplus"], chunk_size=a["chunk_size"],
                                      initial_states=a["initial_states"],
