@@ -80,6 +80,39 @@ def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) ->
         raise InputError(f"{name}: expected shape {list(expected)}; got {list(x.shape)}")
 
 
+def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     initial_state: torch.Tensor | None, boundaries: AnyBoundaries, *, per_key_gate: bool) -> None:
+    """Raise InputError naming the first input at fault unless ``q, k`` are ``[1, T, H, K]``, ``v`` ``[1, T, HV, V]``
+    with ``HV % H == 0``, ``g`` ``[1, T, HV]`` (``[1, T, HV, K]`` with ``per_key_gate``), ``beta`` ``[1, T, HV]``,
+    ``initial_state`` ``[N, HV, K, V]`` (:func:`document_slots`), all on the boundaries' device. The common path is
+    one tuple comparison; the checks naming the field run only when it fails."""
+    q_shape, v_shape = q.shape, v.shape
+    if len(q_shape) == 4 and len(v_shape) == 4 and q_shape[2] > 0 and v_shape[2] % q_shape[2] == 0:
+        _, _, h, k_dim = q_shape
+        _, _, hv, v_dim = v_shape
+        device = q.device
+        t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
+        states = None if initial_state is None or t_len is None else (document_slots(boundaries), hv, k_dim, v_dim)
+        gate = (1, t_len, hv, k_dim) if per_key_gate else (1, t_len, hv)
+        if (q_shape, k.shape, v_shape, g.shape, beta.shape, shape_of(initial_state), k.device, v.device, g.device,
+                beta.device) == ((1, t_len, h, k_dim), q_shape, (1, t_len, hv, v_dim), gate, (1, t_len, hv), states,
+                                 device, device, device, device):
+            return
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_packed(name, t, boundaries, 4)
+    check_shape("k", k, q.shape)
+    _, t_len, h, k_dim = q.shape
+    hv, v_dim = v.shape[2], v.shape[3]
+    if hv % h:
+        raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
+    check_shape("g", g, (1, t_len, hv, k_dim) if per_key_gate else (1, t_len, hv))
+    check_shape("beta", beta, (1, t_len, hv))
+    for name, t in (("g", g), ("beta", beta)):
+        if t.device != q.device:
+            raise InputError(f"{name}: on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
+    check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
+
+
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an op on these inputs."""
     if torch.is_grad_enabled():

@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack.ops import causal_conv1d, mamba2_ssd, varlen_attention
+from hybrid_pack.boundaries.static import StaticBoundaries
+from hybrid_pack.ops import causal_conv1d, gated_delta_rule, kda, mamba2_ssd, varlen_attention
+from hybrid_pack.ops.dispatch.registry import contract_of
 from tests import kit
 
 LAYOUT = kit.Layout("three_docs", (3, 5, 2))
@@ -89,3 +91,14 @@ def test_ssd_rejects_bad_shapes_naming_the_field(field: str, shapes: dict) -> No
     with pytest.raises(ValueError, match=rf"^{field}: "):
         mamba2_ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], BOUNDARIES, D=t["D"], initial_states=t["initial_states"],
                    backend="torch")
+
+
+@pytest.mark.parametrize(("op", "fn"), [("gated_delta", gated_delta_rule), ("kda", kda)])
+@pytest.mark.parametrize("name", ["g", "beta"])
+@pytest.mark.parametrize("static", [False, True], ids=["packed", "static"])
+def test_delta_rules_reject_gates_on_another_device(op: str, fn: Any, name: str, static: bool) -> None:
+    """A gate on another device (meta: no data) is named, where it would otherwise be read as garbage."""
+    case = kit.op_inputs(op, contract_of(op).default_signature(torch.float32, "cpu"), BOUNDARIES, requires_grad=False)
+    boundaries = StaticBoundaries.from_boundaries(BOUNDARIES, BOUNDARIES.num_segments + 1) if static else BOUNDARIES
+    with pytest.raises(ValueError, match=rf"^{name}: on meta but q is on cpu"):
+        case.call(fn, boundaries, {**case.arguments, name: case.arguments[name].to("meta")})

@@ -8,21 +8,12 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
-from hybrid_pack.errors import InputError
 from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import (
-    check_packed,
-    check_shape,
-    document_slots,
-    needs_grad,
-    packed_tokens,
-    shape_of,
-    state_dtype,
-)
+from hybrid_pack.ops.validate import check_delta_rule, needs_grad, state_dtype
 
 
 @eager_on_shards
@@ -56,38 +47,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Returns:
         ``(o [1, T, HV, V] in v's dtype, final_state or None)``.
     """
-    q_shape, v_shape = q.shape, v.shape
-    valid = len(q_shape) == 4 and len(v_shape) == 4 and q_shape[2] > 0 and v_shape[2] % q_shape[2] == 0
-    if valid:  # one comparison; the checks naming the field run only when it fails
-        _, _, h, k_dim = q_shape
-        _, _, hv, v_dim = v_shape
-        device = q.device
-        t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
-        states = None if initial_state is None or t_len is None else (document_slots(boundaries), hv, k_dim, v_dim)
-        gate = (1, t_len, hv)
-        valid = (q_shape, k.shape, v_shape, g.shape, beta.shape, shape_of(initial_state), k.device, v.device) == (
-            (1, t_len, h, k_dim), q_shape, (1, t_len, hv, v_dim), gate, gate, states, device, device)
-    if not valid:
-        _check(q, k, v, g, beta, initial_state, boundaries)
-    scale = q_shape[3] ** -0.5 if scale is None else float(scale)
+    check_delta_rule(q, k, v, g, beta, initial_state, boundaries, per_key_gate=False)
+    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
     arguments = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
                  "output_final_state": output_final_state, "use_qk_l2norm": use_qk_l2norm}
     return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, beta, initial_state))
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           initial_state: torch.Tensor | None, boundaries: PackedBoundaries | StaticBoundaries) -> None:
-    """Raise :class:`InputError` naming the first input at fault (the common path's one comparison failed)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_packed(name, t, boundaries, 4)
-    check_shape("k", k, q.shape)
-    _, t_len, h, k_dim = q.shape
-    hv, v_dim = v.shape[2], v.shape[3]
-    if hv % h:
-        raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
-    check_shape("g", g, (1, t_len, hv))
-    check_shape("beta", beta, (1, t_len, hv))
-    check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
