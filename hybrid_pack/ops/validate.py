@@ -3,6 +3,8 @@ states are float32 (float64 for float64 inputs)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -111,6 +113,16 @@ def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if t.device != q.device:
             raise InputError(f"{name}: on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
     check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
+
+
+def delta_rule_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """A delta rule's route key (gated delta, KDA): the sizes but ``T``, the flags and the dtypes."""
+    q, v, initial_state = arguments["q"], arguments["v"], arguments["initial_state"]
+    _, _, h, k_dim = q.shape
+    _, _, hv, v_dim = v.shape
+    return (h, k_dim, hv, v_dim, arguments["use_qk_l2norm"], arguments["output_final_state"], q.dtype,
+            arguments["k"].dtype, v.dtype, arguments["g"].dtype, arguments["beta"].dtype,
+            None if initial_state is None else initial_state.dtype)
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -3,8 +3,6 @@ document start (docs/api.md §4)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
@@ -14,7 +12,7 @@ from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.kda.check import OP, signature_of
 from hybrid_pack.ops.kda.cp import kda_cp
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_delta_rule, needs_grad, state_dtype
+from hybrid_pack.ops.validate import check_delta_rule, delta_rule_key, needs_grad, state_dtype
 
 
 @eager_on_shards
@@ -67,19 +65,9 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state:
     return [v.new_empty(v.shape), *(state if output_final_state else [])]
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
-    """The route's key: the sizes but ``T``, the flags and the dtypes."""
-    q, v, initial_state = arguments["q"], arguments["v"], arguments["initial_state"]
-    _, _, h, k_dim = q.shape
-    _, _, hv, v_dim = v.shape
-    return (h, k_dim, hv, v_dim, arguments["use_qk_l2norm"], arguments["output_final_state"], q.dtype,
-            arguments["k"].dtype, v.dtype, arguments["g"].dtype, arguments["beta"].dtype,
-            None if initial_state is None else initial_state.dtype)
-
-
 ROUTE = OpRoute(
     OP, kda, positional=("q", "k", "v", "g", "beta"),
-    key=_key,
+    key=delta_rule_key,
     signature=lambda a: signature_of(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
                                      output_final_state=a["output_final_state"], use_qk_l2norm=a["use_qk_l2norm"]),
     sharded=kda_cp,
