@@ -140,9 +140,11 @@ class OpRoute:
         """``run(arguments, boundaries)`` calling ``fn`` as a backend is called, its argument names laid out now."""
         tensors = operator.itemgetter(*self.positional)
         keywords = tuple(name for name in arguments if name not in self.positional)
+        if extra:
+            fn = functools.partial(fn, **extra)
         if with_boundaries:
-            return lambda a, boundaries: fn(*tensors(a), boundaries, **extra, **{name: a[name] for name in keywords})
-        return lambda a, _: fn(*tensors(a), **extra, **{name: a[name] for name in keywords})
+            return lambda a, boundaries: fn(*tensors(a), boundaries, **{name: a[name] for name in keywords})
+        return lambda a, _: fn(*tensors(a), **{name: a[name] for name in keywords})
 
     def _opaque(self, arguments: Mapping[str, Any], boundaries: StaticBoundaries, *, backend: str,
                 requires_grad: bool) -> Any:

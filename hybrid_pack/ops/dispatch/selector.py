@@ -145,9 +145,8 @@ def use_backends(**forced: str) -> Iterator[None]:
         verdicts.changed()
 
 
-def forced_context() -> Mapping[str, str]:
-    """The backends :func:`use_backends` forces here (one ``ContextVar`` read per call)."""
-    return _forced.get()
+forced_context = _forced.get
+"""``forced_context()``: the backends :func:`use_backends` forces here (one ``ContextVar`` read per call)."""
 
 
 # -- the evidence a kernel serves on
