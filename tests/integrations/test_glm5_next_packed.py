@@ -8,6 +8,7 @@ unpatched model on a row of one document, and show the unpatched model leaks on 
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -59,13 +60,19 @@ def _config(implementation: str = "eager", index_heads: int | None = None):
 
 def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     """``module`` in float64 with every parameter drawn from N(0, 0.2) (the pool gate and position bias included,
-    which the model initialises to constants); norms' weights around 1, the forget gate's bias as initialised."""
+    which the model initialises to constants); norms' weights around 1; the forget gate's ``A_log`` and ``dt_bias``
+    drawn as the model's ``_init_weights`` draws them (a module built alone leaves them as uninitialised memory)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.endswith(("norm.weight", "layernorm.weight")):
                 param.copy_(1 + 0.2 * torch.randn(param.shape, generator=generator))
-            elif not name.endswith(("dt_bias", "A_log")):
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(1.0, 16.0, generator=generator).log())
+            elif name.endswith("dt_bias"):  # the inverse softplus of a step drawn log-uniformly in [1e-3, 1e-1]
+                dt = torch.empty(param.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
+                param.copy_(dt + torch.log(-torch.expm1(-dt)))
+            else:
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator))
     return module.double().eval()
 
