@@ -197,3 +197,19 @@ def test_keys_tell_apart_what_signatures_tell_apart(monkeypatch: pytest.MonkeyPa
         assert signatures.setdefault((ops_route.op, ops_route.key(arguments)), signature) == signature, ops_route.op
     assert {op for op, _ in signatures} == set(registered_ops())
     assert len(signatures) > 2 * len(registered_ops())
+
+
+def test_the_warm_up_leaves_the_random_stream_as_it_was() -> None:
+    """The warm-up's own pass of the model (training mode: dropout draws) does not shift the training's draws."""
+    model = torch.nn.Dropout(0.5).train()
+    before = torch.get_rng_state()
+    backends.verify(model=model, batch={"input": torch.ones(64)})
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_discovered_step_that_met_no_key_checks_nothing() -> None:
+    """After a discovery pass that met no key (a step on the pure-torch backends only) the warm-up settles nothing,
+    instead of falling back to every op's typical keys."""
+    with backends.discovering(training_step=True):
+        pass
+    assert backends.verify() == []

@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader
 from hybrid_pack import backends
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
-from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import InputError, MissingExtraError, UnsupportedModelError
 from hybrid_pack.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.ops.invariant import batch_invariant as invariant_mode
@@ -103,15 +102,19 @@ class PackedBatches:
         return inputs
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        """The trainer's loss; before the first training step's, under ``torch.distributed`` or ``torch_compile``,
-        the backends' one warm-up on that batch (:func:`hybrid_pack.backends.verify`: every rank settles one backend
-        per op and call key before any runs, and a compiled graph finds its kernels checked). A single eager process
-        settles each key at its first call, with the same check."""
-        if model.training and not self._backends_verified:
-            self._backends_verified = True
-            if distributed() or self.args.torch_compile:  # type: ignore[attr-defined]
-                backends.verify(model=model, batch=inputs)
+        """The trainer's loss; before the first training step's, the backends' one warm-up on that batch
+        (:meth:`warm_up_backends`)."""
+        if model.training:
+            self.warm_up_backends(model, inputs)
         return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
+
+    def warm_up_backends(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+        """:func:`hybrid_pack.backends.verify` on ``model`` and this prepared batch, once per trainer: one verdict
+        per op and call key settled before the first forward (on every rank under ``torch.distributed``; a
+        compiled graph finds its kernels checked). The warm-up's pass leaves the random stream as it was."""
+        if not self._backends_verified:
+            self._backends_verified = True
+            backends.verify(model=model, batch=inputs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add real tokens/s to a training log (one all-reduce, on every rank, as the loss already takes)."""
@@ -147,15 +150,15 @@ class PackedBatches:
 
 class SettlesBackendsAfterFirstStep:
     """For trainers whose packed calls one batch cannot replay (TRL's GRPO and DPO score several forwards per step):
-    under ``torch.distributed`` the first training step runs on the pure-torch backends, recording the keys it meets
-    (:func:`hybrid_pack.backends.discovering`), then every rank settles one backend per op and call key
-    (:func:`hybrid_pack.backends.verify`, the one warm-up) for the rest. A single process settles each key at its
-    first call, with the same check. Mixed in before the trainer class."""
+    the first training step runs on the pure-torch backends, recording the keys it meets
+    (:func:`hybrid_pack.backends.discovering`), then (every rank under ``torch.distributed``) settles one backend
+    per op and call key (:func:`hybrid_pack.backends.verify`, the one warm-up) for the rest. Mixed in before the
+    trainer class."""
 
     _backends_settled = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._backends_settled or not distributed():
+        if self._backends_settled:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         with backends.discovering(training_step=True):
             loss = super().training_step(*args, **kwargs)  # type: ignore[misc]

@@ -33,7 +33,7 @@ from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
 
 __all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "Wanted", "WarmUpError", "resolve", "select", "use_backends",
            "verification_enabled", "verdict_key", "local_verdict", "decisions", "discovering", "is_discovering",
-           "recording_keys", "resolve_invariant", "forced_context", "tracing", "wanted"]
+           "recording_keys", "resolve_invariant", "forced_context", "tracing", "wanted", "discovery_ran"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -79,6 +79,7 @@ class Wanted:
 
 _decisions: dict[tuple[Any, ...], Decision] = {}
 _wanted: dict[Wanted, Any] = {}  # an ordered set; a sharded key maps to its process group
+_discovered = False
 
 
 def verification_enabled() -> bool:
@@ -344,11 +345,23 @@ def discovering(*, training_step: bool = False) -> Iterator[None]:
     """Inside the block, calls record the keys they need (for :func:`hybrid_pack.backends.verify`) and run on the
     pure-torch backends; no check runs, nothing is logged and no choice is kept. ``training_step``: the block is a
     real training step (several forwards one batch cannot replay), followed by ``verify()``."""
+    global _discovered
     token = _discovering.set("step" if training_step else "replay")
     try:
         yield
     finally:
         _discovering.reset(token)
+        _discovered = True
+
+
+def discovery_ran(*, clear: bool = False) -> bool:
+    """Whether a :func:`discovering` block ran since the last warm-up (which met no key when :func:`wanted` is
+    empty); ``clear``: forget it."""
+    global _discovered
+    ran = _discovered
+    if clear:
+        _discovered = False
+    return ran
 
 
 def wanted(*, clear: bool = False) -> list[tuple[Wanted, Any]]:

@@ -19,6 +19,7 @@ from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_
 from hybrid_pack.ops.dispatch.selector import (
     Wanted,
     discovering,
+    discovery_ran,
     local_verdict,
     verdict_key,
     verification_enabled,
@@ -36,17 +37,19 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
 
     Call it once before the first forward; under ``torch.distributed`` every rank calls it (collective). The keys:
     those one eager pass of ``model(**batch)`` on the pure-torch backends meets, and those met inside
-    :func:`~.selector.discovering`; with none, each op's typical signature per ``dtype`` (default: bfloat16 and
-    float32 on CUDA, float32 on CPU) on ``device``, the pure-torch backends included. ``op``: only its keys;
+    :func:`~.selector.discovering`; with no such pass, each op's typical signature per ``dtype`` (default: bfloat16
+    and float32 on CUDA, float32 on CPU) on ``device``, the pure-torch backends included. ``op``: only its keys;
     ``progress``: a progress bar (default: when stderr is a terminal). Returns the verdicts this rank settled.
     """
     device = default_device() if device is None else torch.device(device)
-    if model is not None:  # one eager pass on the pure-torch backends records the keys; gradients reset after
-        with discovering(), torch.compiler.set_stance("force_eager"):
+    if model is not None:  # one eager pass on the pure-torch backends records the keys; gradients, random reset
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with discovering(), torch.compiler.set_stance("force_eager"), torch.random.fork_rng(devices=cuda):
             loss = _scalar(model(**(batch or {})))
             if loss.requires_grad:
                 loss.backward()
         model.zero_grad(set_to_none=True)
+    discovered = discovery_ran(clear=True)
     met = dict(wanted(clear=True))
     groups = {c.group_ranks: group for c, group in met.items() if c.group_ranks}
     calls = [c for c in met if op is None or c.op == op]
@@ -56,7 +59,7 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
         calls = [c for mine, _ in everyone for c in mine]
         # a sharded key is checked where every rank of its group ran it (each holds the group to check it on)
         sharded_here = {c for c in calls if c.group_ranks and all(c in everyone[r][1] for r in c.group_ranks)}
-    typical = not calls and model is None
+    typical = not calls and model is None and not discovered
     if typical:
         calls = [Wanted(name, device.type, dtype_name(dt), requires_grad, contract_of(name).default_signature(
             dt, device.type)) for name in (registered_ops() if op is None else (op,))
