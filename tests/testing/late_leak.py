@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.ops.dispatch.selector import is_discovering
 from hybrid_pack.schema import BOUNDARIES
 
 
@@ -16,7 +17,8 @@ class LeakAfter:
 
     A native mixer takes its :class:`PackedBoundaries` as a positional argument, a patched Hugging Face
     mixer as the ``boundaries`` keyword: either way it gets one document over the whole row instead.
-    Eval-mode calls are not counted, but leak once it leaks.
+    Eval-mode calls and the backends' warm-up pass (``backends.verify(model=...)``) are not counted, but leak once
+    it leaks.
     """
 
     def __init__(self, mixer: nn.Module, after: int) -> None:
@@ -28,7 +30,7 @@ class LeakAfter:
         return self.training_calls > self.after
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.training_calls += int(module.training)
+        self.training_calls += int(module.training and not is_discovering())  # the warm-up's pass is no step
         if not self.leaking:
             return None
         given = [i for i, a in enumerate(args) if isinstance(a, PackedBoundaries)]

@@ -32,8 +32,7 @@ def test_native_trainer_catches_a_leak_at_the_first_check_after_it_starts(tmp_pa
     def build_leaky_model(cfg: TrainConfig) -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
         model = from_preset(cfg.model)
-        # ignores its boundaries from step 4 on (the backends' warm-up pass is the first training call)
-        LeakAfter(model.model.layers[1].mixer, after=5)
+        LeakAfter(model.model.layers[1].mixer, after=4)   # ignores its boundaries from step 4 on
         return model
 
     monkeypatch.setattr(trainer_module, "build_model", build_leaky_model)
