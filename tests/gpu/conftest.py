@@ -44,6 +44,9 @@ def measured() -> Iterator[list[dict[str, Any]]]:
     records: list[dict[str, Any]] = []
     yield records
     path = os.environ.get(RESULTS_ENV)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if path and worker:  # one file per xdist worker: gpu_results.json -> gpu_results.gw0.json
+        path = str(Path(path).with_suffix(f".{worker}{Path(path).suffix}"))
     if path and records:
         device = {"device": torch.cuda.get_device_name()}
         Path(path).write_text(json.dumps({"environment": {**device, **environment()}, "records": records}, indent=1))

@@ -201,6 +201,26 @@ def test_a_raising_check_is_kept_on_disk_and_one_out_of_memory_is_not(kernel: st
         assert "ran out of memory" in status_of("conv").reason
 
 
+def test_a_check_on_cuda_without_an_index_runs_on_the_callers_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hybrid-pack backends --verify --device cuda` crashed on a GPU: the check's thread called
+    `torch.cuda.set_device(torch.device("cuda"))`, which needs an index. It takes the calling thread's device."""
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.setdefault("set_device", index))
+    monkeypatch.setattr(verdicts, "_cuda_name", lambda index: f"cuda planted {index}")
+
+    def checked(backend: Any, reference: Any, contract: Any, signature: Any, device: torch.device,
+                requires_grad: bool) -> verdicts.CheckResult:
+        seen["device"] = device
+        return verdicts.CheckResult(backend.op, backend.name, True, "", 0.0, 0.0, verdicts.device_name(device))
+
+    monkeypatch.setattr(selector, "run_check", checked)
+    backend = registry.get_backend("conv", "torch")
+    signature = contract_of("conv").default_signature(torch.float32, "cuda")
+    result = selector.local_verdict(backend, signature, torch.device("cuda"), True)
+    assert seen == {"set_device": 3, "device": torch.device("cuda")} and result.device == "cuda planted 3"
+
+
 def test_replacing_a_kernel_forgets_its_results() -> None:
     register_planted("conv", "raises")
     call_op("conv", requires_grad=True)

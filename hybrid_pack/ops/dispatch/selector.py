@@ -181,11 +181,15 @@ def local_verdict(backend: Backend, signature: Signature, device: torch.device, 
         raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
                           f"capture or a torch.compile trace; call {WARM_UP} before it")
     outcome: dict[str, Any] = {}
+    # The current CUDA device is per thread: the check's thread takes the caller's when `device` names no index.
+    index = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
 
     def target() -> None:
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if index is not None:
+                torch.cuda.set_device(index)
             outcome["result"] = run_check(backend, reference_of(backend.op), contract_of(backend.op), signature,
                                           device, requires_grad)
         except BaseException as err:  # handed back to the caller's thread
