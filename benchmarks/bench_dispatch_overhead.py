@@ -1,7 +1,7 @@
 """Per-call dispatch overhead of every op: the public op against the backend it chose, called directly.
 
-    python benchmarks/bench_dispatch_overhead.py [--calls 2000] [--repeats 1] [--ops conv ssd ...] [--label after]
-        [--out benchmarks/results/dispatch_overhead.json]
+    python benchmarks/bench_dispatch_overhead.py [--calls 2000] [--repeats 1] [--ops conv ssd ...] [--documents 3]
+        [--label after] [--out benchmarks/results/dispatch_overhead.json]
 
 Small CPU calls, no gradients. The chosen backend (the pure-torch one on a CPU) is replaced, for the whole run, by a
 stub that returns its precomputed result, so both timings hold the same stub call and their difference is the
@@ -10,6 +10,8 @@ called once (the single process's warm-up); then the medians of ``--calls`` sing
 With ``--repeats``, every op is measured that many times in turn and each figure is the median of the repeats (the
 overheads of all repeats are kept, for the spread).
 Also timed, for scale: the op forced to the pure-torch backend, and that backend called directly.
+The row holds 3 documents (5, 7 and 4 tokens), or ``--documents`` documents of 2 tokens (what the op's Python
+pays per document).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def _median_us(fn: Callable[[], Any], other: Callable[[], Any], calls: int) -> t
     return statistics.median(a) / 1e3, statistics.median(b) / 1e3
 
 
-def measure(op: str, calls: int) -> dict[str, Any]:
-    boundaries = PackedBoundaries.from_lengths([5, 7, 4])
+def measure(op: str, calls: int, documents: int = 3) -> dict[str, Any]:
+    boundaries = PackedBoundaries.from_lengths([5, 7, 4] if documents == 3 else [2] * documents)
     public, direct = _calls(op, boundaries)
     reference = get_backend(op, "torch")
     real_fn = reference.fn
@@ -102,15 +104,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=1, help="measure every op this many times, in turn")
     parser.add_argument("--ops", nargs="+", choices=list(PUBLIC), default=list(PUBLIC), help="the ops to time")
+    parser.add_argument("--documents", type=int, default=3, help="documents in the row (3: of 5, 7 and 4 tokens; "
+                        "else of 2 tokens each)")
     parser.add_argument("--label", default="after", help="the key the results go under in the JSON (before/after)")
     parser.add_argument("--out", type=Path, default=RESULTS / "dispatch_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    runs = [[measure(op, args.calls) for op in args.ops] for _ in range(args.repeats)]
+    runs = [[measure(op, args.calls, args.documents) for op in args.ops] for _ in range(args.repeats)]
     rows = [median_of([run[i] for run in runs]) for i in range(len(args.ops))]
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data[args.label] = {"torch": torch.__version__, "python": platform.python_version(), "calls": args.calls,
-                        "repeats": args.repeats, "ops": rows}
+                        "repeats": args.repeats, "documents": args.documents, "ops": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"| op | overhead ({args.label}, us; min-max of {args.repeats}) | pure-torch op through dispatch (us) | "

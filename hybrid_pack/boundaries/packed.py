@@ -95,9 +95,14 @@ class PackedBoundaries:
     segment_lengths: tuple[int, ...]
     num_pad_tokens: int = 0
     _views: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _total_tokens: int = field(default=0, init=False, repr=False, compare=False)
+    _device: torch.device = field(default=torch.device("cpu"), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         s, t = len(self.segment_lengths), sum(self.segment_lengths)
+        # Read by every op call; a compiled graph then guards these two values, not the tensors or the segments.
+        object.__setattr__(self, "_total_tokens", t)
+        object.__setattr__(self, "_device", self.cu_seqlens.device)
         if self.cu_seqlens.dtype != torch.int32 or tuple(self.cu_seqlens.shape) != (s + 1,):
             _fail("cu_seqlens", f"int32 tensor of shape [{s + 1}]",
                   f"{self.cu_seqlens.dtype} {list(self.cu_seqlens.shape)}")
@@ -136,11 +141,11 @@ class PackedBoundaries:
     @property
     def total_tokens(self) -> int:
         """T, padding included."""
-        return sum(self.segment_lengths)
+        return self._total_tokens
 
     @property
     def device(self) -> torch.device:
-        return self.cu_seqlens.device
+        return self._device
 
     @property
     def document_positions(self) -> torch.Tensor:

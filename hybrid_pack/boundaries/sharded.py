@@ -305,6 +305,7 @@ def _check_split(total: int, world_size: int, rank: int, layout: str) -> None:
 
 
 _PACKED_ONLY = frozenset(
-    {f.name for f in fields(PackedBoundaries)} | {name for name in dir(PackedBoundaries) if not name.startswith("_")}
-) - set(dir(ShardedBoundaries)) - {"_views"}
+    {f.name for f in fields(PackedBoundaries) if not f.name.startswith("_")}
+    | {name for name in dir(PackedBoundaries) if not name.startswith("_")}
+) - set(dir(ShardedBoundaries))
 """The :class:`PackedBoundaries` attributes a :class:`ShardedBoundaries` refuses (they exist on ``local``)."""

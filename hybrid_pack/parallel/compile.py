@@ -8,9 +8,9 @@ The graphs compiled for the first batch serve every layout because of what reach
   boundary keys into ``boundaries=StaticBoundaries`` (their tensors, nothing read from them), the form a whole
   compiled model builds inside its graph;
 - a context-parallel shard (``boundaries=ShardedBoundaries``, host values that change with every layout): every
-  public op called on it inside a graph runs eagerly (:func:`~hybrid_pack.ops.cp.eager.eager_on_shards`: a graph
-  break at the op), so the
-  graphs hold the blocks' dense work, never a value of the shard's boundaries, and dynamo guards none of them.
+  public op called on it inside a graph runs eagerly (:func:`~hybrid_pack.ops.cp.eager.run_eagerly`: a graph
+  break at the op), so the graphs hold the blocks' dense work and read only the shard's local token count and
+  device, never a segment.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM
-from hybrid_pack.ops.cp.eager import eager_on_shards
+from hybrid_pack.ops import causal_conv1d
+from hybrid_pack.ops.cp.eager import run_eagerly
+from hybrid_pack.ops.dispatch.registry import get_backend
 from hybrid_pack.parallel import ShardedBoundaries
 from hybrid_pack.parallel.compile import compile_blocks, static_boundaries_from_keys
 from hybrid_pack.parallel.fsdp import decoder_blocks
@@ -91,23 +93,46 @@ def test_new_layouts_recompile_the_blocks_unless_static_boundaries_reach_them():
     assert_close(logits, eager(**batches[1]).logits, "logits", tol=1e-5)
 
 
-def test_eager_on_shards_runs_the_op_outside_the_graph_with_row_major_outputs():
-    """In a graph, a call on a shard runs eagerly (a graph break) and hands back row-major strides."""
+def test_run_eagerly_runs_the_route_outside_the_graph_with_row_major_outputs():
+    """A graph calling :func:`run_eagerly` breaks there; the route's outputs come back with row-major strides."""
     calls = []
 
-    @eager_on_shards
-    def op(x: torch.Tensor, boundaries: object) -> torch.Tensor:
+    def route(arguments: dict, boundaries: object, *, backend: str | None, requires_grad: bool) -> torch.Tensor:
         calls.append(torch.compiler.is_compiling())
+        x = arguments["x"]
         return torch.cat([x, x], dim=1)[:, 1:]  # a slice: strides of the longer tensor
 
-    shard = ShardedBoundaries.from_row(PackedBoundaries.from_lengths([4]), group=None, rank=0, world_size=1)
     x = torch.randn(1, 4, 3)
-    out = torch.compile(lambda x, b: op(x, b), backend="eager")(x, shard)
+    out = torch.compile(lambda x: run_eagerly(route, {"x": x}, None, None, False) * 1, backend="eager")(x)
     assert calls == [False]
     assert out.stride() == (21, 3, 1)
     assert torch.equal(out, torch.cat([x, x], dim=1)[:, 1:])
-    torch.compile(lambda x, b: op(x, b) * 2, backend="eager")(x, PackedBoundaries.from_lengths([4]))
-    assert calls == [False, True]  # anywhere else the op is traced
+
+
+def test_an_op_on_a_shard_runs_eagerly_in_a_graph_and_is_traced_on_a_whole_row(monkeypatch: pytest.MonkeyPatch):
+    """The compile rule of docs/compile.md, applied by the ops' routes: on a ShardedBoundaries the op (validation
+    aside) runs outside the graph, on a PackedBoundaries its backend is traced; both equal the eager op."""
+    torch._dynamo.reset()
+    backend = get_backend("conv", "torch")
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(torch.compiler.is_compiling())
+        return real(*args, **kwargs)
+
+    real = backend.fn
+    monkeypatch.setitem(backend.__dict__, "fn", spy)
+    x, weight, bias = torch.randn(1, 8, 4), torch.randn(4, 3), None
+    row = PackedBoundaries.from_lengths([3, 5])
+    shard = ShardedBoundaries.from_row(row, group=None, rank=0, world_size=1)
+    expected = causal_conv1d(x, weight, bias, row)
+    compiled = torch.compile(lambda x, b: causal_conv1d(x, weight, bias, b) * 1, backend="eager")
+    calls.clear()
+    assert_close(compiled(x, shard), expected, "on a shard", tol=1e-6)
+    assert calls and not any(calls)
+    calls.clear()
+    assert_close(compiled(x, row), expected, "on a whole row", tol=1e-6)
+    assert calls and all(calls)
 
 
 def test_compile_blocks_refuses_a_model_without_blocks():

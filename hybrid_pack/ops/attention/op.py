@@ -11,13 +11,11 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.cp import varlen_attention_cp
-from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens
 
 
-@eager_on_shards
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      boundaries: PackedBoundaries | StaticBoundaries, *,
                      causal: bool = True, softmax_scale: float | None = None, window: int | None = None,

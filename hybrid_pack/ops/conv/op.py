@@ -11,13 +11,11 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
-from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens, shape_of
 
 
-@eager_on_shards
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   boundaries: PackedBoundaries | StaticBoundaries,
                   *, activation: str | None = None, backend: str | None = None) -> torch.Tensor:

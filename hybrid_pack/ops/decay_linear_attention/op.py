@@ -10,7 +10,6 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.decay_linear_attention.check import OP, signature_of
 from hybrid_pack.ops.decay_linear_attention.cp import decay_linear_attention_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
@@ -26,7 +25,6 @@ from hybrid_pack.ops.validate import (
 )
 
 
-@eager_on_shards
 def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            boundaries: PackedBoundaries | StaticBoundaries, *, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,

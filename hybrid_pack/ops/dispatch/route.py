@@ -2,8 +2,9 @@
 call's key up in :data:`verdicts.CHOICES` and calls what it finds; a new key is chosen once (:func:`~.selector.resolve`)
 and kept as the callable for its kind of boundaries: a whole row runs the backend, a static row its static form (or
 the op's opaque node, :mod:`hybrid_pack.ops.library`), a sharded row a sharded backend (or the op's pure-torch
-context-parallel path). In a trace the choice is a graph constant that re-traces when :data:`verdicts.generation`
-changes; inside :func:`hybrid_pack.batch_invariant` a sequence-mixing op runs its pure-torch backend per segment."""
+context-parallel path), run eagerly when a graph calls it (:func:`~hybrid_pack.ops.cp.eager.run_eagerly`). In a
+trace the choice is a graph constant that re-traces when :data:`verdicts.generation` changes; inside
+:func:`hybrid_pack.batch_invariant` a sequence-mixing op runs its pure-torch backend per segment."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.compiler import assume_constant_result
+from hybrid_pack.ops.cp.eager import run_eagerly
 from hybrid_pack.ops.cp.relayout import on_contiguous
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
@@ -79,6 +81,8 @@ class OpRoute:
                  backend: str | None, requires_grad: bool) -> Any:
         """Run the op on ``arguments`` (every argument but ``boundaries`` and ``backend``, by name)."""
         if torch.compiler.is_compiling():
+            if type(boundaries) is ShardedBoundaries:  # exchanges and host-side layout stay out of the graph
+                return run_eagerly(self, arguments, boundaries, backend, requires_grad)
             if self.mixing and is_batch_invariant():
                 return self._invariant(arguments, boundaries, backend, requires_grad)
             return self._traced(arguments, boundaries, backend, requires_grad)

@@ -7,7 +7,6 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
-from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.kda.check import OP, signature_of
 from hybrid_pack.ops.kda.cp import kda_cp
@@ -15,7 +14,6 @@ from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import check_delta_rule, delta_rule_key, needs_grad, state_dtype
 
 
-@eager_on_shards
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         boundaries: PackedBoundaries | StaticBoundaries, *, scale: float | None = None,
         initial_state: torch.Tensor | None = None, output_final_state: bool = False, use_qk_l2norm: bool = False,

@@ -17,7 +17,6 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.selective_scan.check import OP, signature_of
@@ -27,7 +26,6 @@ from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, pack
 __all__ = ["selective_scan"]
 
 
-@eager_on_shards
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    boundaries: PackedBoundaries | StaticBoundaries | ShardedBoundaries, *,
                    D: torch.Tensor | None = None, z: torch.Tensor | None = None,

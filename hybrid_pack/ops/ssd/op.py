@@ -9,7 +9,6 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.cp.eager import eager_on_shards
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
@@ -25,7 +24,6 @@ from hybrid_pack.ops.validate import (
 )
 
 
-@eager_on_shards
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                boundaries: PackedBoundaries | StaticBoundaries, *, D: torch.Tensor | None = None,
                z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
