@@ -13,6 +13,10 @@
 #   PYTHON=...            the interpreter with the CUDA torch (default: python3)
 #   WORKERS=4             pytest-xdist workers for tests/gpu (0: one process)
 #   TEST_TIMEOUT=600      seconds per test (pytest-timeout, when installed)
+#   STAGES="verify tests causal-conv1d bench"   the stages to run, in this order (a lease shorter than the whole
+#                         tier runs them in separate calls; each call installs again, in 35 s)
+#   TESTS="tests/gpu"     what the tests stage passes to pytest (a file, `-k EXPR`, ...)
+#   BENCH_TOKENS=         tokens per row of the kernel benchmarks (default: 32768)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,9 +39,13 @@ PARTS=python MAMBA_CUDA=skip WHEELHOUSE="$WHEELHOUSE" bash scripts/install_kerne
 if ! "$PYTHON" -c 'import selective_scan_cuda' 2>/dev/null; then
     export PYTHONPATH="$PYTHONPATH:$PWD/tests/gpu/stand_ins"
 fi
-PARTS=causal-conv1d WHEELHOUSE="$WHEELHOUSE" MAX_JOBS="${MAX_JOBS:-10}" bash scripts/install_kernels_gpu.sh "$VENV" \
-    > "$OUT_DIR/causal_conv1d.log" 2>&1 &
-BUILD=$!
+STAGES=" ${STAGES:-verify tests causal-conv1d bench} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
+if stage causal-conv1d; then
+    PARTS=causal-conv1d WHEELHOUSE="$WHEELHOUSE" MAX_JOBS="${MAX_JOBS:-10}" bash scripts/install_kernels_gpu.sh \
+        "$VENV" > "$OUT_DIR/causal_conv1d.log" 2>&1 &
+    BUILD=$!
+fi
 
 versions() {
     "$PYTHON" -m pip list 2>/dev/null | grep -Ei '^(torch|triton|transformers|fla-core|flash-linear-attention|mamba-ssm|causal-conv1d|flash-attn) '
@@ -52,36 +60,46 @@ PYTEST=("$PYTHON" -m pytest -v --tb=short -p no:cacheprovider -p no:benchmark -p
 [[ "$WORKERS" != 0 ]] && PYTEST+=(-n "$WORKERS")
 "$PYTHON" -c 'import pytest_timeout' 2>/dev/null && PYTEST+=(--timeout "${TEST_TIMEOUT:-600}")
 
-stamp "backends --verify"
-"$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
-status=$?
-tail -30 "$OUT_DIR/backends.txt"
-stamp "tests/gpu"
-HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results.json" "${PYTEST[@]}" tests/gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -40
-status=$(( status | PIPESTATUS[0] ))
-
-stamp "waiting for causal-conv1d's build"
-if wait "$BUILD"; then
-    versions > "$OUT_DIR/versions.txt"
-    stamp "causal-conv1d built: its backend"
+status=0
+if stage verify; then
+    stamp "backends --verify"
     "$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
-    status=$(( status | $? ))
-    HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results_causal_conv1d.json" "${PYTEST[@]}" tests/gpu/test_kernels.py \
-        -k causal_conv1d 2>&1 | tee "$OUT_DIR/gpu_tests_causal_conv1d.log" | tail -15
-    status=$(( status | PIPESTATUS[0] ))
-else
-    status=1
-    tail -20 "$OUT_DIR/causal_conv1d.log"
+    status=$?
+    tail -30 "$OUT_DIR/backends.txt"
 fi
-
+if stage tests; then
+    stamp "tests: ${TESTS:-tests/gpu}"
+    # shellcheck disable=SC2086  # TESTS is split into pytest's arguments on purpose
+    HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results.json" "${PYTEST[@]}" ${TESTS:-tests/gpu} 2>&1 \
+        | tee "$OUT_DIR/gpu_tests.log" | tail -40
+    status=$(( status | PIPESTATUS[0] ))
+fi
+if stage causal-conv1d; then
+    stamp "waiting for causal-conv1d's build"
+    if wait "$BUILD"; then
+        versions > "$OUT_DIR/versions.txt"
+        stamp "causal-conv1d built: its backend"
+        "$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
+        status=$(( status | $? ))
+        HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results_causal_conv1d.json" "${PYTEST[@]}" tests/gpu/test_kernels.py \
+            -k causal_conv1d 2>&1 | tee "$OUT_DIR/gpu_tests_causal_conv1d.log" | tail -15
+        status=$(( status | PIPESTATUS[0] ))
+    else
+        status=1
+        tail -20 "$OUT_DIR/causal_conv1d.log"
+    fi
+fi
 # The kernels (boundary cost and adapter overhead: benchmarks/bench_kernels.py), then packed vs padded training.
-stamp "benchmarks"
-"$PYTHON" benchmarks/bench_kernels.py --device cuda > "$OUT_DIR/bench_kernels.log" 2>&1
-status=$(( status | $? ))
-"$PYTHON" -m hybrid_pack.cli bench --device cuda --skip-kernels --out "$OUT_DIR/bench" > "$OUT_DIR/bench.log" 2>&1
-status=$(( status | $? ))
-cp benchmarks/results/kernels_cuda.json "$OUT_DIR/bench/" 2>/dev/null
-tail -40 "$OUT_DIR/bench_kernels.log"
-tail -20 "$OUT_DIR/bench.log"
+if stage bench; then
+    stamp "benchmarks"
+    TOKENS=(${BENCH_TOKENS:+--tokens "$BENCH_TOKENS"})
+    "$PYTHON" benchmarks/bench_kernels.py --device cuda "${TOKENS[@]}" > "$OUT_DIR/bench_kernels.log" 2>&1
+    status=$(( status | $? ))
+    "$PYTHON" -m hybrid_pack.cli bench --device cuda --skip-kernels --out "$OUT_DIR/bench" > "$OUT_DIR/bench.log" 2>&1
+    status=$(( status | $? ))
+    cp benchmarks/results/kernels_cuda.json "$OUT_DIR/bench/" 2>/dev/null
+    tail -40 "$OUT_DIR/bench_kernels.log"
+    tail -20 "$OUT_DIR/bench.log"
+fi
 stamp "done (status $status)"
 exit "$status"
