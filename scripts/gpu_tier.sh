@@ -6,8 +6,9 @@
 #
 # causal-conv1d's CUDA build (minutes) runs in the background while everything that does not need it is checked;
 # its backend is checked once it is in. On an H200 (16 cores, 2026-11-28) the install took 35 s, and 6 minutes of
-# tests/gpu on 4 workers ended 62 of its 127 tests while the build (10 jobs) had not finished: plan 15-20 minutes. mamba-ssm is installed without its CUDA extension (MAMBA_CUDA=skip; only
-# its Triton SSD is used) and imports through tests/gpu/stand_ins.
+# tests/gpu on 4 workers ended 62 of its 127 tests while the build (10 jobs) had not finished: plan 15-20 minutes.
+# mamba-ssm is installed without its CUDA extension (MAMBA_CUDA=skip; only its Triton SSD is used) and imports
+# through tests/gpu/stand_ins.
 #
 # Usage: scripts/gpu_tier.sh WHEELHOUSE OUT_DIR
 #   PYTHON=...            the interpreter with the CUDA torch (default: python3)
@@ -17,6 +18,8 @@
 #                         tier runs them in separate calls; each call installs again, in 35 s)
 #   TESTS="tests/gpu"     what the tests stage passes to pytest (a file, `-k EXPR`, ...)
 #   BENCH_TOKENS=         tokens per row of the kernel benchmarks (default: 32768)
+#   STAGE_TIMEOUT=        seconds each command of a stage may run (then TERM, KILL 10 s later): a lease's call
+#                         that must end in time still writes what the other stages measured
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +44,7 @@ if ! "$PYTHON" -c 'import selective_scan_cuda' 2>/dev/null; then
 fi
 STAGES=" ${STAGES:-verify tests causal-conv1d bench} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
+bounded() { if [[ -n "${STAGE_TIMEOUT:-}" ]]; then timeout -k 10 "$STAGE_TIMEOUT" "$@"; else "$@"; fi; }
 if stage causal-conv1d; then
     PARTS=causal-conv1d WHEELHOUSE="$WHEELHOUSE" MAX_JOBS="${MAX_JOBS:-10}" bash scripts/install_kernels_gpu.sh \
         "$VENV" > "$OUT_DIR/causal_conv1d.log" 2>&1 &
@@ -63,14 +67,14 @@ PYTEST=("$PYTHON" -m pytest -v --tb=short -p no:cacheprovider -p no:benchmark -p
 status=0
 if stage verify; then
     stamp "backends --verify"
-    "$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
+    bounded "$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
     status=$?
     tail -30 "$OUT_DIR/backends.txt"
 fi
 if stage tests; then
     stamp "tests: ${TESTS:-tests/gpu}"
     # shellcheck disable=SC2086  # TESTS is split into pytest's arguments on purpose
-    HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results.json" "${PYTEST[@]}" ${TESTS:-tests/gpu} 2>&1 \
+    HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results.json" bounded "${PYTEST[@]}" ${TESTS:-tests/gpu} 2>&1 \
         | tee "$OUT_DIR/gpu_tests.log" | tail -40
     status=$(( status | PIPESTATUS[0] ))
 fi
@@ -79,10 +83,10 @@ if stage causal-conv1d; then
     if wait "$BUILD"; then
         versions > "$OUT_DIR/versions.txt"
         stamp "causal-conv1d built: its backend"
-        "$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
+        bounded "$PYTHON" -m hybrid_pack.cli backends --verify --device cuda > "$OUT_DIR/backends.txt" 2>&1
         status=$(( status | $? ))
-        HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results_causal_conv1d.json" "${PYTEST[@]}" tests/gpu/test_kernels.py \
-            -k causal_conv1d 2>&1 | tee "$OUT_DIR/gpu_tests_causal_conv1d.log" | tail -15
+        HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results_causal_conv1d.json" bounded "${PYTEST[@]}" \
+            tests/gpu/test_kernels.py -k causal_conv1d 2>&1 | tee "$OUT_DIR/gpu_tests_causal_conv1d.log" | tail -15
         status=$(( status | PIPESTATUS[0] ))
     else
         status=1
@@ -93,9 +97,10 @@ fi
 if stage bench; then
     stamp "benchmarks"
     TOKENS=(${BENCH_TOKENS:+--tokens "$BENCH_TOKENS"})
-    "$PYTHON" benchmarks/bench_kernels.py --device cuda "${TOKENS[@]}" > "$OUT_DIR/bench_kernels.log" 2>&1
+    bounded "$PYTHON" benchmarks/bench_kernels.py --device cuda "${TOKENS[@]}" > "$OUT_DIR/bench_kernels.log" 2>&1
     status=$(( status | $? ))
-    "$PYTHON" -m hybrid_pack.cli bench --device cuda --skip-kernels --out "$OUT_DIR/bench" > "$OUT_DIR/bench.log" 2>&1
+    bounded "$PYTHON" -m hybrid_pack.cli bench --device cuda --skip-kernels --out "$OUT_DIR/bench" \
+        > "$OUT_DIR/bench.log" 2>&1
     status=$(( status | $? ))
     cp benchmarks/results/kernels_cuda.json "$OUT_DIR/bench/" 2>/dev/null
     tail -40 "$OUT_DIR/bench_kernels.log"
