@@ -13,8 +13,8 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -172,41 +172,32 @@ def _known(find: Callable[[VerdictKey], CheckResult | None], backend: Backend, s
 def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
                   check: bool = True) -> CheckResult | None:
     """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now, on this
-    rank only, on a thread of its own (the caller's grad mode, autocast, hooks and dispatch modes do not reach it),
-    and kept (on disk too, unless it ran out of memory)."""
+    rank only, on a thread of its own (the caller's grad mode, autocast, hooks and dispatch modes do not reach it;
+    it takes the caller's CUDA device), and kept (on disk too, unless it ran out of memory)."""
     known = _known(verdicts.recall, backend, signature, device, requires_grad)
     if known is not None or not check:
         return known
     if tracing():
         raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
                           f"capture or a torch.compile trace; call {WARM_UP} before it")
-    outcome: dict[str, Any] = {}
-    # The current CUDA device is per thread: the check's thread takes the caller's when `device` names no index.
-    index = None
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
 
-    def target() -> None:
-        try:
-            if index is not None:
-                torch.cuda.set_device(index)
-            outcome["result"] = run_check(backend, reference_of(backend.op), contract_of(backend.op), signature,
-                                          device, requires_grad)
-        except BaseException as err:  # handed back to the caller's thread
-            outcome["error"] = err
+    def target() -> CheckResult:
+        if index is not None:
+            torch.cuda.set_device(index)
+        return run_check(backend, reference_of(backend.op), contract_of(backend.op), signature, device, requires_grad)
 
-    thread = threading.Thread(target=target, name="hybrid_pack-selfcheck")
-    thread.start()
-    thread.join()
-    key, error = verdict_key(backend, signature, device, requires_grad), outcome.get("error")
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        outcome["result"] = CheckResult(backend.op, backend.name, False, f"ran out of memory in its self-check "
-                                        f"({error})", float("nan"), 0.0, key.device, signature=key.signature,
-                                        requires_grad=requires_grad)
-    elif error is not None:
-        raise error
-    verdicts.remember(key, outcome["result"], persist=error is None)
-    return outcome["result"]
+    key = verdict_key(backend, signature, device, requires_grad)
+    with ThreadPoolExecutor(1, thread_name_prefix="hybrid_pack-selfcheck") as thread:
+        future = thread.submit(target)
+    try:
+        result, persist = future.result(), True
+    except torch.cuda.OutOfMemoryError as error:
+        result, persist = CheckResult(backend.op, backend.name, False, f"ran out of memory in its self-check "
+                                      f"({error})", float("nan"), 0.0, key.device, signature=key.signature,
+                                      requires_grad=requires_grad), False
+    verdicts.remember(key, result, persist=persist)
+    return result
 
 
 def _evidence(backend: Backend, signature: Signature, device: torch.device, dtype: torch.dtype,
