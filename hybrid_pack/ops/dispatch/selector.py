@@ -233,14 +233,12 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
             backend: str | None = None, inputs: Mapping[str, Any] | None = None, signature: Signature | None = None,
             traced: bool = False, static_only: bool = False, sharded: tuple[tuple[int, ...], Any] | None = None,
             strict: bool = True) -> Backend | None:
-    """The backend that runs ``op`` with these inputs: the full choice, made once per call key. Never communicates.
+    """The backend that runs ``op`` with these inputs (made once per call key; never communicates).
 
-    ``backend`` forces one (else :func:`use_backends` / ``HYBRID_PACK_BACKENDS``); ``inputs`` feed the backends'
-    ``accepts``; ``signature`` defaults to the op's typical one for ``dtype``; ``traced``: no check may run;
-    ``static_only``: only backends with a static form; ``sharded``: ``(group ranks, group)`` of a call on a rank's
-    slice of a row, choosing among the sharded backends (None when none serves: the pure-torch CP path runs);
-    ``strict``: an unsettled kernel that could serve raises :class:`WarmUpError` (else it is skipped).
-    Raises BackendUnavailableError when a forced backend cannot serve, or none can.
+    ``backend`` forces one; ``inputs`` feed ``accepts``; ``signature`` defaults to the typical one; ``traced``: no
+    check may run; ``static_only``: backends with a static form; ``sharded``: ``(group ranks, group)`` of a call on a
+    rank's slice, choosing a sharded backend (None: the pure-torch CP path); ``strict``: an unsettled kernel that
+    could serve raises :class:`WarmUpError` (else it is skipped). Raises BackendUnavailableError.
     """
     device = torch.device(device)
     forced, source = _forcing(op, backend)
@@ -248,8 +246,6 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
     ranks, group = sharded if sharded is not None else ((), None)
 
     def why_not(candidate: Backend, strict: bool) -> str:
-        if static_only and candidate.static_fn is None:
-            return "has no static form to trace in torch.compile (the pure-torch backend is traced there)"
         why = candidate.reason(device, dtype, requires_grad)
         if not why and candidate.accepts is not None and inputs is not None:
             why = candidate.accepts(inputs)
@@ -262,7 +258,8 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
         if sharded is not None and not chosen.sharded:
             return None
         why = ("serves rows split across a context-parallel group only" if chosen.sharded and sharded is None
-               else why_not(chosen, True))
+               else "has no static form to trace in torch.compile (the pure-torch backend is traced there)"
+               if static_only and chosen.static_fn is None else why_not(chosen, True))
         if why:
             raise BackendUnavailableError(f"{op} backend {forced!r} (forced by {source}) cannot run here: {why}")
         return _decide(chosen, device, requires_grad, signature, [], [], forced=True)
