@@ -6,15 +6,17 @@ is checked once per (device, signature, gradients) on inputs of that signature.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.isolation import least_precise
 
-__all__ = ["Signature", "CheckCase", "OpContract", "make_signature", "signature_text", "dtype_name", "random_tensor"]
+__all__ = ["Signature", "CheckCase", "OpContract", "make_signature", "signature_text", "dtype_name", "random_tensor",
+           "projection_weights"]
 
 Signature = tuple[tuple[str, Any], ...]
 """Sorted ``(name, value)`` pairs: sizes, flags and input dtypes (values are ints, bools, strings, None)."""
@@ -36,6 +38,11 @@ def random_tensor(shape: tuple[int, ...], dtype: str | torch.dtype, device: torc
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     values = torch.randn(shape, generator=generator, dtype=torch.float32) * scale + shift
     return values.to(device=device, dtype=dtype)
+
+
+def projection_weights(outputs: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+    """One float64 ``N(0, 1)`` tensor per output, drawn on the host from ``generator``: a random projection."""
+    return [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device) for t in outputs]
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every op call; a process sees a few signatures
@@ -60,6 +67,38 @@ class CheckCase:
         args = self.arguments if arguments is None else arguments
         keywords = {name: value for name, value in args.items() if name not in self.positional}
         return fn(*(args[name] for name in self.positional), boundaries, **keywords)
+
+    def floats(self) -> list[str]:
+        """The names of the floating tensor arguments."""
+        return [name for name, value in self.arguments.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()]
+
+    def precision(self) -> torch.dtype:
+        """The least precise floating per-token input dtype: it sets the tolerance."""
+        return least_precise(self.arguments[name].dtype for name in self.token_inputs
+                             if isinstance(self.arguments.get(name), torch.Tensor))
+
+    def sliced(self, arguments: Mapping[str, Any], tokens: slice, documents: slice) -> dict[str, Any]:
+        """``arguments`` with the per-token tensors cut to ``tokens`` and the per-document ones to ``documents``."""
+        cut = dict(arguments)
+        for name, value in arguments.items():
+            if isinstance(value, torch.Tensor) and name in self.token_inputs:
+                cut[name] = value[:, tokens]
+            elif isinstance(value, torch.Tensor) and name in self.document_inputs:
+                cut[name] = value[documents]
+        return cut
+
+    def leaves(self, requires_grad: Collection[str], arguments: Mapping[str, Any] | None = None, *,
+               float64: bool = False) -> dict[str, Any]:
+        """Fresh detached copies of the tensors of ``arguments`` (default: these), floating ones in float64 with
+        ``float64``; those named in ``requires_grad`` require it."""
+        fresh = {}
+        for name, value in (self.arguments if arguments is None else arguments).items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach().double() if float64 and value.is_floating_point() else value.detach()
+                value = value.clone().requires_grad_(name in requires_grad)
+            fresh[name] = value
+        return fresh
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""The collective self-check of a sharded backend (docs/api.md §5a, §10): every rank of the group runs it and the
-op's pure-torch context-parallel path on one adversarial row split across the group, compares its slice of the outputs
-and of one random projection's gradients, and the group all-reduces the verdict. It runs only inside the warm-up
-(:func:`hybrid_pack.backends.verify`), so every rank takes the same path. A kernel that raises on some ranks only,
-between its own exchanges, leaves the others waiting: the process group's timeout ends the job."""
+"""The collective self-check of a sharded backend (docs/api.md §5a, §10): on one adversarial row split across the
+group, each rank compares its slice of the outputs, and of one random projection's gradients, with the op's pure-torch
+context-parallel path, and the group agrees on the verdict. Only the warm-up runs it, so every rank takes the same
+path; a kernel that raises on some ranks only, between its own exchanges, leaves the others waiting until the process
+group's timeout ends the job."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.distributed import agree_max
 from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row, compare, self_check_tolerance
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import Signature, signature_text
+from hybrid_pack.ops.dispatch.contract import CheckCase, Signature, projection_weights, signature_text
 from hybrid_pack.ops.dispatch.registry import contract_of
 from hybrid_pack.ops.dispatch.route import route_of
 from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
@@ -25,29 +25,21 @@ from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
 __all__ = ["adversarial_cp_row", "cp_check", "rank_arguments"]
 
 
-def rank_arguments(case: Any, sharded: ShardedBoundaries) -> dict[str, Any]:
+def rank_arguments(case: CheckCase, sharded: ShardedBoundaries) -> dict[str, Any]:
     """This rank's inputs of a check case as fresh leaves: its slice of the per-token and per-document tensors."""
-    lo, hi = sharded.offset, sharded.offset + sharded.local.total_tokens
-    docs = slice(sharded.first_segment, sharded.first_segment + sharded.local.num_docs)
-    local = {}
-    for name, value in case.arguments.items():
-        if isinstance(value, torch.Tensor):
-            value = value[:, lo:hi] if name in case.token_inputs else value[docs] if name in case.document_inputs \
-                else value
-            value = value.detach().clone().requires_grad_(value.is_floating_point())
-        local[name] = value
-    return local
+    tokens = slice(sharded.offset, sharded.offset + sharded.local.total_tokens)
+    documents = slice(sharded.first_segment, sharded.first_segment + sharded.local.num_docs)
+    return case.leaves(case.floats(), case.sliced(case.arguments, tokens, documents))
 
 
-def _outputs_and_grads(op: str, fn: Callable[..., Any], case: Any, sharded: ShardedBoundaries,
+def _outputs_and_grads(op: str, fn: Callable[..., Any], case: CheckCase, sharded: ShardedBoundaries,
                        requires_grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """This rank's token outputs, and (with ``requires_grad``) the gradients of one random projection of them."""
     args = rank_arguments(case, sharded)
     tokens, _ = contract_of(op).outputs(case.call(fn, sharded, args))
-    generator = torch.Generator().manual_seed(1)
-    weights = [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device) for t in tokens]
     if not requires_grad:
         return list(tokens), []
+    weights = projection_weights(tokens, torch.Generator().manual_seed(1))
     leaves = [v for v in args.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     loss = sum((t.double() * w).sum() for t, w in zip(tokens, weights))
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -66,8 +58,7 @@ def cp_check(backend: Backend, signature: Signature, device: torch.device, requi
     try:
         actual, actual_grads = _outputs_and_grads(backend.op, backend.fn, case, sharded, requires_grad)
         expected, expected_grads = _outputs_and_grads(backend.op, reference, case, sharded, requires_grad)
-        tolerance = self_check_tolerance(case.arguments[n].dtype for n in case.token_inputs
-                                  if isinstance(case.arguments.get(n), torch.Tensor))
+        tolerance = self_check_tolerance([case.precision()])
         worst = compare("outputs", actual, expected, tolerance)
         worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))
         reason = ""
@@ -76,9 +67,7 @@ def cp_check(backend: Backend, signature: Signature, device: torch.device, requi
                                          f"path by {mismatch.error:.3g} (tolerance {mismatch.tolerance:.0e})")
     except Exception as error:  # a kernel that raises fails the check; the group still agrees below
         reason = f"context-parallel self-check raised {type(error).__name__}: {error}"
-    failed = torch.tensor([1.0 if reason else 0.0], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if failed.item() and not reason:
+    if agree_max([1.0 if reason else 0.0], group)[0] and not reason:
         reason = "context-parallel self-check failed on another rank of the group"
     return CheckResult(op=backend.op, backend=backend.name, ok=not reason, reason=reason, max_error=worst,
                        seconds=time.perf_counter() - began, device=device_name(device), signature=signature_text(

@@ -116,6 +116,7 @@ def _environment_digest() -> str:
 
 
 _memory: dict[VerdictKey, CheckResult] = {}
+_loaded_from: tuple[str | None, str] | None = None  # (HYBRID_PACK_CACHE, environment digest) of the file read
 SETTLED: dict[VerdictKey, CheckResult] = {}
 """The verdicts in force in this process: settled by the warm-up (the group's, under ``torch.distributed``), or by
 a single eager process's first call of a key."""
@@ -136,7 +137,6 @@ def settle(key: VerdictKey, result: CheckResult) -> None:
     """Put ``result`` in force for ``key`` (the warm-up: the same on every rank)."""
     SETTLED[key] = result
     changed()
-_loaded_from: tuple[str | None, str] | None = None  # (HYBRID_PACK_CACHE, environment digest) of the file read
 
 
 def _load() -> None:

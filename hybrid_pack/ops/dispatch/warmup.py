@@ -61,21 +61,22 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
         sharded_here = {c for c in calls if c.group_ranks and all(c in everyone[r][1] for r in c.group_ranks)}
     typical = not calls and model is None and not discovered
     if typical:
-        calls = [Wanted(name, device.type, dtype_name(dt), requires_grad, contract_of(name).default_signature(
-            dt, device.type)) for name in (registered_ops() if op is None else (op,))
-            for dt in ((dtype,) if dtype is not None else (torch.bfloat16, torch.float32) if device.type == "cuda"
-                       else (torch.float32,))]
+        dtypes = (dtype,) if dtype is not None else (torch.bfloat16, torch.float32) if device.type == "cuda" \
+            else (torch.float32,)
+        calls = [Wanted(name, device.type, dtype_name(dt), requires_grad,
+                        contract_of(name).default_signature(dt, device.type))
+                 for name in (registered_ops() if op is None else (op,)) for dt in dtypes]
     calls = sorted(set(calls), key=repr)  # the same order on every rank
     plain = [(b, c) for c in calls if not c.group_ranks for b in backends_of(c.op)
              if (typical or not b.reference) and not b.reason(device, getattr(torch, c.dtype), c.requires_grad)]
-    out = []
+    checked = []
     with tqdm(plain, desc="self-checks", unit="check", leave=False,
               disable=None if progress is None else not progress) as bar:
         for backend, call in bar:
             bar.set_postfix_str(f"{backend.op} {backend.name} {call.dtype}")
-            out.append((backend, call, local_verdict(backend, call.signature, device, call.requires_grad)))
-    settled = _agree([(verdict_key(b, c.signature, device, c.requires_grad), result) for b, c, result in out])
-    return settled + _settle_sharded([c for c in calls if c in sharded_here], device, groups)
+            checked.append((verdict_key(backend, call.signature, device, call.requires_grad),
+                            local_verdict(backend, call.signature, device, call.requires_grad)))
+    return _agree(checked) + _settle_sharded([c for c in calls if c in sharded_here], device, groups)
 
 
 def _agree(results: list[tuple[VerdictKey, CheckResult]]) -> list[CheckResult]:
@@ -84,12 +85,11 @@ def _agree(results: list[tuple[VerdictKey, CheckResult]]) -> list[CheckResult]:
         else []
     settled = []
     for key, result in results:
-        failed = [(rank, why) for rank, theirs in enumerate(everyone)
-                  for ok, why in [theirs.get(key.text(), (False, "cannot run there"))] if not ok]
-        if result.ok and failed:
-            result = dataclasses.replace(result, ok=False, reason=(
-                f"passed its self-check here but not on rank {failed[0][0]} ({failed[0][1]}); every rank "
-                "runs the same backend"))
+        for rank, theirs in enumerate(everyone):
+            ok, why = theirs.get(key.text(), (False, "cannot run there"))
+            if result.ok and not ok:  # the first rank that failed is named
+                result = dataclasses.replace(result, ok=False, reason=(
+                    f"passed its self-check here but not on rank {rank} ({why}); every rank runs the same backend"))
         verdicts.settle(key, result)
         settled.append(result)
     return settled
@@ -122,7 +122,8 @@ def _scalar(output: Any) -> torch.Tensor:
         output = output["loss"] if output.get("loss") is not None else output.get("logits", next(iter(output.values())))
     elif isinstance(output, (tuple, list)):
         output = output[0]
+    elif getattr(output, "loss", None) is not None:
+        output = output.loss
     else:
-        output = getattr(output, "loss", None) if getattr(output, "loss", None) is not None else getattr(
-            output, "logits", output)
+        output = getattr(output, "logits", output)
     return output.float().mean()
