@@ -16,10 +16,18 @@ from hybrid_pack.ops.dispatch.verdicts import cache_dir, device_name
 __all__ = ["report"]
 
 
-def _status(backend: Backend, chosen: Backend, device: torch.device, dtype: torch.dtype) -> str:
+_ROW = "{:<12} {:<14} {:<22} {}"
+
+
+def _status(backend: Backend, chosen: Backend | None, device: torch.device, dtype: torch.dtype) -> str:
+    """The status column: whether ``backend`` serves here, and why not (``chosen``: None for a sharded backend)."""
     why = backend.reason(device, dtype, True)
     if why:
         return f"no: {why}"
+    if backend.sharded:
+        if verification_enabled():
+            return "ok: serves sharded calls after its collective self-check on the group"
+        return "ok: serves sharded calls (unchecked: HYBRID_PACK_VERIFY=0)"
     if backend.reference:
         return "CHOSEN (pure torch)" if backend is chosen else "ok (pure torch, the fallback)"
     if not verification_enabled():
@@ -44,21 +52,17 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
     if distributed():
         check += f"; verdicts settled for the {dist.get_world_size()} ranks by hybrid_pack.backends.verify()"
     lines = [f"hybrid_pack backends on {device_name(device)}, {dtype_name(dtype)}, with backward ({check})", ""]
-    header = f"{'op':<12} {'backend':<14} {'boundaries via':<22} status"
+    header = _ROW.format("op", "backend", "boundaries via", "status")
     lines += [header, "-" * len(header)]
     for op in registered_ops():
         chosen = resolve(op, device=device, dtype=dtype, requires_grad=True, strict=False)
-        for backend in backends_of(op):
-            lines.append(f"{op:<12} {backend.name:<14} {backend.boundary_arg:<22} "
-                         f"{_status(backend, chosen, device, dtype)}")
+        lines += [_ROW.format(op, backend.name, backend.boundary_arg, _status(backend, chosen, device, dtype))
+                  for backend in backends_of(op)]
         typical = signature_text(contract_of(op).default_signature(dtype, device.type))
         lines.append(f"{'':<12} (typical call: {typical})")
     lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",
               header, "-" * len(header)]
-    for backend in (b for op in registered_ops() for b in backends_of(op, sharded=True)):
-        why = backend.reason(device, dtype, True)
-        status = f"no: {why}" if why else (
-            "ok: serves sharded calls after its collective self-check on the group" if verification_enabled()
-            else "ok: serves sharded calls (unchecked: HYBRID_PACK_VERIFY=0)")
-        lines.append(f"{backend.op:<12} {backend.name:<14} {'ShardedBoundaries':<22} {status}")
+    for op in registered_ops():
+        lines += [_ROW.format(op, backend.name, "ShardedBoundaries", _status(backend, None, device, dtype))
+                  for backend in backends_of(op, sharded=True)]
     return "\n".join(lines)

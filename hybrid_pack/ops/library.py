@@ -1,17 +1,11 @@
-"""The ops as ``torch.library`` custom ops: how a compiled graph calls a backend with no static form.
-
-A kernel backend derives its launch layout from the documents' lengths on the host, so inside ``torch.compile`` it
-runs as one opaque node ``hybrid_pack::<op>``: the real implementation reads ``cu_seqlens`` once per row (the
-one-entry cache below is shared by a step's layers), leaves out the static form's zero-length segments and calls
-the eager op with the backend chosen while tracing; the fake gives output shapes; the backward is a second op that
-recomputes the op under autograd. Recurrent states are per segment slot ``[S, ...]``. The host read cannot be
-captured in a CUDA graph: :func:`_packed_boundaries` raises naming the op.
-"""
+"""The ops as ``torch.library`` custom ops ``hybrid_pack::<op>``: how a compiled graph calls a backend with no static
+form (docs/compile.md). The real implementation reads ``cu_seqlens`` on the host (refused in a CUDA graph capture);
+the fake gives the output shapes; the backward recomputes the op under autograd. States are per slot ``[S, ...]``."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +18,7 @@ __all__ = ["PackedCustomOp"]
 
 _LIBRARY = torch.library.Library("hybrid_pack", "DEF")
 _last = threading.local()
+
 
 def like_first_input(tensors: Sequence[torch.Tensor | None], num_segments: int, **options: Any) -> list[torch.Tensor]:
     """The fake of an op whose one output has the shape and dtype of its first input (attention, the conv)."""
@@ -52,19 +47,6 @@ def _leaf(t: torch.Tensor | None, requires_grad: bool) -> torch.Tensor | None:
 def _no_grad(like: torch.Tensor) -> torch.Tensor:
     """The placeholder gradient of an absent (None) input: an op's outputs cannot be None."""
     return like.new_empty(0, dtype=torch.float32)
-
-
-def _states_per_slot(out: Any, tensors: Sequence[torch.Tensor | None], state_input: int | None,
-                     num_segments: int) -> list[torch.Tensor]:
-    """The outputs as a list; a state ``[n, ...]`` padded to ``[S, ...]`` with the initial states (or zeros)."""
-    outputs = list(out) if isinstance(out, tuple) else [out]
-    if len(outputs) == 2 and outputs[1] is not None:
-        state = outputs[1]
-        initial = tensors[state_input] if state_input is not None else None
-        rest = (initial[state.shape[0]:].to(state.dtype) if initial is not None
-                else state.new_zeros((num_segments - state.shape[0], *state.shape[1:])))
-        outputs[1] = torch.cat([state, rest])
-    return [o for o in outputs if o is not None]
 
 
 @dataclass(frozen=True)
@@ -96,11 +78,12 @@ class PackedCustomOp:
     def option_names(self) -> list[str]:
         return [item.split()[-1] for item in self.options.split(",") if item.strip()]
 
-    def __call__(self, *tensors: torch.Tensor | None, cu_seqlens: torch.Tensor, backend: str | None,
-                 requires_grad: bool, **options: Any) -> list[torch.Tensor]:
-        """Run the op node: ``tensors`` as in :attr:`tensors`, ``options`` by name."""
+    def __call__(self, arguments: Mapping[str, Any], cu_seqlens: torch.Tensor, *, backend: str | None,
+                 requires_grad: bool) -> list[torch.Tensor]:
+        """Run the op node on a call's ``arguments`` (by name; :attr:`tensors` and the options among them)."""
         op = getattr(torch.ops.hybrid_pack, self.name)
-        return op(*tensors, cu_seqlens, *(options[name] for name in self.option_names), backend, requires_grad)
+        return op(*(arguments[name.rstrip("?")] for name in self.tensors), cu_seqlens,
+                  *(arguments[name] for name in self.option_names), backend, requires_grad)
 
     # -- the parts of a call's arguments
     def _split(self, args: Sequence[Any]) -> tuple[list[Any], torch.Tensor, dict[str, Any], str | None]:
@@ -109,12 +92,21 @@ class PackedCustomOp:
 
     def _run(self, tensors: list[torch.Tensor | None], cu_seqlens: torch.Tensor, options: dict[str, Any],
              backend: str | None) -> list[torch.Tensor]:
+        """The eager op on the non-empty segments; its final state ``[n, ...]`` padded to all ``[S, ...]`` slots with
+        the initial states (or zeros)."""
         boundaries = _packed_boundaries(self.name, cu_seqlens)
         given = list(tensors)
-        if self.state_input is not None and given[self.state_input] is not None:  # the non-empty slots' states
-            given[self.state_input] = given[self.state_input][:boundaries.num_segments]
+        initial = tensors[self.state_input] if self.state_input is not None else None
+        if initial is not None:
+            given[self.state_input] = initial[:boundaries.num_segments]
         out = self.eager(*given, boundaries, backend=backend, **options)
-        return _states_per_slot(out, tensors, self.state_input, cu_seqlens.shape[0] - 1)
+        outputs = list(out) if isinstance(out, tuple) else [out]
+        if len(outputs) == 2 and outputs[1] is not None:
+            state = outputs[1]
+            rest = (initial[state.shape[0]:].to(state.dtype) if initial is not None
+                    else state.new_zeros((cu_seqlens.shape[0] - 1 - state.shape[0], *state.shape[1:])))
+            outputs[1] = torch.cat([state, rest])
+        return [o for o in outputs if o is not None]
 
     # -- forward
     def _forward(self, *args: Any) -> list[torch.Tensor]:
@@ -150,13 +142,10 @@ class PackedCustomOp:
             outputs = self._run(leaves, cu_seqlens, options, backend)
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=False) if g is not None and o.requires_grad]
             wrt = [t for t in leaves if t is not None and t.requires_grad]
-            got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                       if pairs and wrt else [None] * len(wrt))
-        result = []
-        for t in leaves:
-            g = next(got) if t is not None and t.requires_grad else None
-            result.append(g if g is not None else torch.zeros_like(t) if t is not None else _no_grad(cu_seqlens))
-        return result
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], materialize_grads=True)
+                       if pairs and wrt else map(torch.zeros_like, wrt))
+        return [_no_grad(cu_seqlens) if t is None else next(got) if t.requires_grad else torch.zeros_like(t)
+                for t in leaves]
 
     def _fake_backward(self, grads: list[Any], *args: Any) -> list[torch.Tensor]:
         tensors, cu_seqlens, _, _ = self._split(args)

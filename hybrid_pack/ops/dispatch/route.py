@@ -1,10 +1,7 @@
-"""How a call of an op reaches a backend (docs/api.md §4, §5, §9b, §10): each op's :class:`OpRoute` looks the
-call's key up in :data:`verdicts.CHOICES` and calls what it finds; a new key is chosen once (:func:`~.selector.resolve`)
-and kept as the callable for its kind of boundaries: a whole row runs the backend, a static row its static form (or
-the op's opaque node, :mod:`hybrid_pack.ops.library`), a sharded row a sharded backend (or the op's pure-torch
-context-parallel path), run eagerly when a graph calls it (:func:`~hybrid_pack.ops.cp.eager.run_eagerly`). In a
-trace the choice is a graph constant that re-traces when :data:`verdicts.generation` changes; inside
-:func:`hybrid_pack.batch_invariant` a sequence-mixing op runs its pure-torch backend per segment."""
+"""How a call of an op reaches a backend (docs/architecture.md; docs/api.md §4, §5, §9b, §10): each op's
+:class:`OpRoute` looks the call's key up in :data:`verdicts.CHOICES`, filled once per key (:func:`~.selector.resolve`).
+A trace keeps the choice as a graph constant, re-traced when :data:`verdicts.generation` changes; a sharded row runs
+eagerly in a graph; inside :func:`hybrid_pack.batch_invariant` a sequence-mixing op runs pure torch per segment."""
 
 from __future__ import annotations
 
@@ -24,6 +21,7 @@ from hybrid_pack.ops.compiler import assume_constant_result
 from hybrid_pack.ops.cp.eager import run_eagerly
 from hybrid_pack.ops.cp.relayout import on_contiguous
 from hybrid_pack.ops.dispatch import verdicts
+from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
 from hybrid_pack.ops.dispatch.registry import get_backend
 from hybrid_pack.ops.dispatch.selector import forced_context, recording_keys, resolve, resolve_invariant
@@ -92,8 +90,8 @@ class OpRoute:
         if type(boundaries) is ShardedBoundaries:
             boundaries.check_group()
             if boundaries.layout not in self.layouts:
-                return on_contiguous(lambda moved, contiguous: self(moved, contiguous, backend=backend,
-                                                                    requires_grad=requires_grad), arguments, boundaries)
+                return on_contiguous(functools.partial(self, backend=backend, requires_grad=requires_grad), arguments,
+                                     boundaries)
             sharded = (tuple(dist.get_process_group_ranks(boundaries.group or dist.group.WORLD)
                              if dist.is_initialized() else (0,)), boundaries.group)
         key = (self.op, type(boundaries), arguments[self.positional[0]].device, requires_grad, backend,
@@ -109,17 +107,14 @@ class OpRoute:
                 requires_grad: bool, sharded: tuple[tuple[int, ...], Any] | None) -> Callable[..., Any]:
         """The callable serving a key met for the first time."""
         first = arguments[self.positional[0]]
-        chosen = resolve(self.op, device=first.device, dtype=first.dtype, requires_grad=requires_grad,
-                         backend=backend,
+        chosen = resolve(self.op, device=first.device, dtype=first.dtype, requires_grad=requires_grad, backend=backend,
                          inputs={**arguments, "requires_grad": requires_grad, "boundaries": boundaries},
                          signature=self.signature(arguments), sharded=sharded)
-        if sharded is not None and chosen is None:
-            run = self._caller(functools.partial(self.sharded, self.public), arguments, True, backend=backend)
-        elif isinstance(boundaries, StaticBoundaries) and chosen.static_fn is None:
-            run = functools.partial(self._opaque, backend=chosen.name, requires_grad=requires_grad)
+        if chosen is None:  # a sharded row no sharded backend serves: the op's pure-torch context-parallel path
+            run = self._caller(functools.partial(self.sharded, self.public, backend=backend), arguments, True)
         else:
-            run = self._caller(chosen.static_fn if isinstance(boundaries, StaticBoundaries) else chosen.fn,
-                               arguments, boundaries is not None)
+            run = self._runner(chosen, arguments, isinstance(boundaries, StaticBoundaries), boundaries is not None,
+                               requires_grad)
         if not recording_keys():  # the discovery pass runs on the pure-torch backends: nothing to keep
             verdicts.CHOICES[key] = run
         return run
@@ -129,34 +124,34 @@ class OpRoute:
         described = tuple((name, ("tensor", tuple(v.shape), dtype_name(v.dtype)) if isinstance(v, torch.Tensor)
                            else v) for name, v in arguments.items())
         described += (("requires_grad", requires_grad),)
-        static = boundaries is None or isinstance(boundaries, StaticBoundaries)
+        static = boundaries is None or isinstance(boundaries, StaticBoundaries)  # an op without boundaries too
         name = _traced_choice(self.op, str(first.device), dtype_name(first.dtype), requires_grad, backend,
                               self.signature(arguments), described, static and self.opaque is None,
                               verdicts.generation)
-        chosen = get_backend(self.op, name)
-        if not static or chosen.static_fn is not None:  # a plain row traced as it is: the backend's own function
-            fn = chosen.static_fn if static else chosen.fn
-            return self._caller(fn, arguments, boundaries is not None)(arguments, boundaries)
-        return self._opaque(arguments, boundaries, backend=name, requires_grad=requires_grad)
+        run = self._runner(get_backend(self.op, name), arguments, static, boundaries is not None, requires_grad)
+        return run(arguments, boundaries)
 
-    def _caller(self, fn: Callable[..., Any], arguments: Mapping[str, Any], with_boundaries: bool, **extra: Any
+    def _runner(self, chosen: Backend, arguments: Mapping[str, Any], static: bool, with_boundaries: bool,
+                requires_grad: bool) -> Callable[[Mapping[str, Any], Any], Any]:
+        """``run(arguments, boundaries)`` of ``chosen``: its static form when ``static`` (the op's opaque node if it
+        has none), else its function."""
+        fn = chosen.static_fn if static else chosen.fn
+        if fn is None:
+            return functools.partial(self._opaque, backend=chosen.name, requires_grad=requires_grad)
+        return self._caller(fn, arguments, with_boundaries)
+
+    def _caller(self, fn: Callable[..., Any], arguments: Mapping[str, Any], with_boundaries: bool
                 ) -> Callable[[Mapping[str, Any], Any], Any]:
         """``run(arguments, boundaries)`` calling ``fn`` as a backend is called, its argument names laid out now."""
         tensors = operator.itemgetter(*self.positional)
         keywords = tuple(name for name in arguments if name not in self.positional)
-        if extra:
-            fn = functools.partial(fn, **extra)
         if with_boundaries:
             return lambda a, boundaries: fn(*tensors(a), boundaries, **{name: a[name] for name in keywords})
         return lambda a, _: fn(*tensors(a), **{name: a[name] for name in keywords})
 
     def _opaque(self, arguments: Mapping[str, Any], boundaries: StaticBoundaries, *, backend: str,
                 requires_grad: bool) -> Any:
-        node = self.opaque
-        tensors = [arguments[name.rstrip("?")] for name in node.tensors]
-        options = {name: arguments[name] for name in node.option_names}
-        outputs = node(*tensors, cu_seqlens=boundaries.cu_seqlens, backend=backend, requires_grad=requires_grad,
-                       **options)
+        outputs = self.opaque(arguments, boundaries.cu_seqlens, backend=backend, requires_grad=requires_grad)
         return self.from_opaque(outputs, arguments)
 
     def _invariant(self, arguments: Mapping[str, Any], boundaries: Any, backend: str | None,
