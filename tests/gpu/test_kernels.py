@@ -1,9 +1,10 @@
 """Every op x every backend usable here x {float32, bfloat16}, at real sizes (T = 32,768), on CUDA.
 
-Each case is the backends' self-check run on a real-size row instead of its short one: the backend
-against the pure-torch backend in float64, forward and backward; every document alone against the
-packed row; and the gradient of every segment's outputs with respect to every other segment's
-inputs exactly zero. Layouts hold one-token documents, documents ending on the kernel's block edges,
+Each case is the backends' self-check run on a real-size row instead of its short one: the backend against
+the pure-torch backend in float64, forward and backward; every document alone against the packed row; and the
+gradient of every segment's outputs with respect to every other segment's inputs exactly zero. A float32 kernel
+that misses the 1e-5 serving bound (one multiplying in TF32 does) is held to TF32's bound instead and recorded
+as not serving float32. Layouts hold one-token documents, documents ending on the kernel's block edges,
 a 4096-token document beside dozens under 64 tokens, and a padding segment.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack.isolation import real_size_layout
+from hybrid_pack.isolation import SELF_CHECK_TOLERANCE, TOLERANCE, real_size_layout
 from hybrid_pack.ops.dispatch.contract import Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, reference_of
 from hybrid_pack.ops.dispatch.selfcheck import run_check
@@ -80,7 +81,14 @@ def test_backend_keeps_documents_apart_at_real_size(case: str, backend: str, dty
         if why:
             pytest.skip(f"{op}/{backend} refuses this signature (the call goes to the next backend): {why}")
     result = run_check(chosen, reference_of(op), contract, signature, cuda, True, layout=layout)
-    measured.append({"case": case, "op": op, "backend": backend, "dtype": dtype, "ok": result.ok,
+    serves = result.ok
+    if not serves and dtype == "float32":
+        # docs/backends.md: a kernel multiplying float32 in TF32 misses the 1e-5 serving bound and the pure-torch
+        # backend serves float32; it must still keep documents apart exactly, within TF32 rounding of the oracle
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(SELF_CHECK_TOLERANCE, torch.float32, TOLERANCE[torch.float32])
+            result = run_check(chosen, reference_of(op), contract, signature, cuda, True, layout=layout)
+    measured.append({"case": case, "op": op, "backend": backend, "dtype": dtype, "ok": result.ok, "serves": serves,
                      "max_error": result.max_error, "seconds": result.seconds, "reason": result.reason,
                      "tokens": layout.total_tokens, "documents": len(layout.lengths)})
     assert result.ok, result.reason
