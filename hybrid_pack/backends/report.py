@@ -16,9 +16,6 @@ from hybrid_pack.ops.dispatch.verdicts import cache_dir, device_name
 __all__ = ["report"]
 
 
-_ROW = "{:<12} {:<14} {:<22} {}"
-
-
 def _status(backend: Backend, chosen: Backend | None, device: torch.device, dtype: torch.dtype) -> str:
     """The status column: whether ``backend`` serves here, and why not (``chosen``: None for a sharded backend)."""
     why = backend.reason(device, dtype, True)
@@ -52,17 +49,25 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
     if distributed():
         check += f"; verdicts settled for the {dist.get_world_size()} ranks by hybrid_pack.backends.verify()"
     lines = [f"hybrid_pack backends on {device_name(device)}, {dtype_name(dtype)}, with backward ({check})", ""]
-    header = _ROW.format("op", "backend", "boundaries via", "status")
+    every = [b for op in registered_ops() for b in backends_of(op, sharded=None)]
+    widths = [max(len(text) for text in column) for column in (
+        ["op", *registered_ops()], ["backend", *(b.name for b in every)],
+        ["boundaries via", "ShardedBoundaries", *(b.boundary_arg for b in every if not b.sharded)])]
+
+    def row(op: str, backend: str, via: str, status: str) -> str:
+        return f"{op:<{widths[0]}} {backend:<{widths[1]}} {via:<{widths[2]}} {status}"
+
+    header = row("op", "backend", "boundaries via", "status")
     lines += [header, "-" * len(header)]
     for op in registered_ops():
         chosen = resolve(op, device=device, dtype=dtype, requires_grad=True, strict=False)
-        lines += [_ROW.format(op, backend.name, backend.boundary_arg, _status(backend, chosen, device, dtype))
+        lines += [row(op, backend.name, backend.boundary_arg, _status(backend, chosen, device, dtype))
                   for backend in backends_of(op)]
         typical = signature_text(contract_of(op).default_signature(dtype, device.type))
-        lines.append(f"{'':<12} (typical call: {typical})")
+        lines.append(f"{'':<{widths[0]}} (typical call: {typical})")
     lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",
               header, "-" * len(header)]
     for op in registered_ops():
-        lines += [_ROW.format(op, backend.name, "ShardedBoundaries", _status(backend, None, device, dtype))
+        lines += [row(op, backend.name, "ShardedBoundaries", _status(backend, None, device, dtype))
                   for backend in backends_of(op, sharded=True)]
     return "\n".join(lines)

@@ -12,5 +12,5 @@ from hybrid_pack.ops.selective_scan.check import CONTRACT, OP
 register_op(CONTRACT)
 register(OP, "torch", "hybrid_pack.ops.selective_scan.torch_backend:selective_scan", priority=0,
          devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, reference=True,
-         boundary_arg="segment starts (chunked scan, state dropped at each start)",
+         boundary_arg="segment starts (state reset)",
          static="hybrid_pack.ops.selective_scan.torch_static:selective_scan")
