@@ -18,6 +18,7 @@
 #                         tier runs them in separate calls; each call installs again, in 35 s)
 #   TESTS="tests/gpu"     what the tests stage passes to pytest (a file, `-k EXPR`, ...)
 #   BENCH_TOKENS=         tokens per row of the kernel benchmarks (default: 32768)
+#   GPU_TOKENS=           tokens per row of the kernel tests (default: 32768; at least 8192): a short lease's run
 #   STAGE_TIMEOUT=        seconds each command of a stage may run (then TERM, KILL 10 s later): a lease's call
 #                         that must end in time still writes what the other stages measured
 set -uo pipefail
@@ -74,7 +75,8 @@ fi
 if stage tests; then
     stamp "tests: ${TESTS:-tests/gpu}"
     # shellcheck disable=SC2086  # TESTS is split into pytest's arguments on purpose
-    HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results.json" bounded "${PYTEST[@]}" ${TESTS:-tests/gpu} 2>&1 \
+    HYBRID_PACK_GPU_RESULTS="$OUT_DIR/gpu_results.json" HYBRID_PACK_GPU_TOKENS="${GPU_TOKENS:-}" \
+        bounded "${PYTEST[@]}" ${TESTS:-tests/gpu} 2>&1 \
         | tee "$OUT_DIR/gpu_tests.log" | tail -40
     status=$(( status | PIPESTATUS[0] ))
 fi

@@ -1,4 +1,5 @@
-"""Every op x every backend usable here x {float32, bfloat16}, at real sizes (T = 32,768), on CUDA.
+"""Every op x every backend usable here x {float32, bfloat16}, at real sizes (T = 32,768, or
+``$HYBRID_PACK_GPU_TOKENS`` >= 8192 for a short run), on CUDA.
 
 Each case is the backends' self-check run on a real-size row instead of its short one: the backend against
 the pure-torch backend in float64, forward and backward; every document alone against the packed row; and the
@@ -10,17 +11,19 @@ a 4096-token document beside dozens under 64 tokens, and a padding segment.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
 
-from hybrid_pack.isolation import SELF_CHECK_TOLERANCE, TOLERANCE, real_size_layout
+from hybrid_pack.isolation import REAL_TOKENS, SELF_CHECK_TOLERANCE, TOLERANCE, real_size_layout
 from hybrid_pack.ops.dispatch.contract import Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, reference_of
 from hybrid_pack.ops.dispatch.selfcheck import run_check
 
 F32 = torch.float32
+TOKENS = int(os.environ.get("HYBRID_PACK_GPU_TOKENS") or REAL_TOKENS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -74,7 +77,7 @@ def test_backend_keeps_documents_apart_at_real_size(case: str, backend: str, dty
     if why:
         pytest.skip(f"{op}/{backend} cannot run here: {why}")
     contract = contract_of(op)
-    layout = real_size_layout(contract.edge(signature))
+    layout = real_size_layout(contract.edge(signature), TOKENS)
     if chosen.accepts is not None:
         case_inputs = contract.make_case(signature, layout.boundaries(cuda), torch.Generator().manual_seed(0)).arguments
         why = chosen.accepts({**case_inputs, "requires_grad": True})
