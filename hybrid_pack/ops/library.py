@@ -1,10 +1,14 @@
 """The ops as ``torch.library`` custom ops ``hybrid_pack::<op>``: how a compiled graph calls a backend with no static
 form (docs/compile.md). The real implementation reads ``cu_seqlens`` on the host (refused in a CUDA graph capture);
-the fake gives the output shapes; the backward recomputes the op under autograd. States are per slot ``[S, ...]``."""
+the fake gives the output shapes. With gradients, the forward keeps the eager backend's autograd graph for its backward
+(the backward runs no second forward, as in eager) behind a one-byte host *handle* output, kept while the handle lives;
+a backward that finds no graph (a second backward of one forward) runs the forward again. States are per slot
+``[S, ...]``."""
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +22,8 @@ __all__ = ["PackedCustomOp"]
 
 _LIBRARY = torch.library.Library("hybrid_pack", "DEF")
 _last = threading.local()
+_graphs: dict[int, tuple[object, list[torch.Tensor | None], list[torch.Tensor]]] = {}
+"""The autograd graphs the forwards kept for their backwards: handle address -> (token, leaves, outputs)."""
 
 
 def like_first_input(tensors: Sequence[torch.Tensor | None], num_segments: int, **options: Any) -> list[torch.Tensor]:
@@ -49,6 +55,39 @@ def _no_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0, dtype=torch.float32)
 
 
+def _recording() -> Any:
+    """Autograd recording inside an op node's kernel, where the dispatcher leaves it out (below the node's own
+    autograd): the thread's dispatch keys with autograd let back in."""
+    autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - autograd)
+
+
+def _new_handle() -> torch.Tensor:
+    return torch.empty(1, dtype=torch.uint8)
+
+
+def _keep(leaves: list[torch.Tensor | None], outputs: list[torch.Tensor]) -> torch.Tensor:
+    """A handle to the forward's graph: dropped with the handle (a backward that never came, a checkpoint's
+    discarded forward), taken by the backward. Keyed by the live handle's address, which no other live tensor has."""
+    handle = _new_handle()
+    if any(o.requires_grad for o in outputs):  # else nothing was recorded: the backward runs the forward again
+        storage, token = handle.untyped_storage(), object()
+        _graphs[storage.data_ptr()] = (token, leaves, outputs)
+        weakref.finalize(storage, _drop, storage.data_ptr(), token)
+    return handle
+
+
+def _drop(key: int, token: object) -> None:
+    if _graphs.get(key, (None,))[0] is token:
+        del _graphs[key]
+
+
+def _take(handle: torch.Tensor) -> tuple[list[torch.Tensor | None], list[torch.Tensor]] | None:
+    kept = _graphs.pop(handle.untyped_storage().data_ptr(), None)
+    return None if kept is None else kept[1:]
+
+
 @dataclass(frozen=True)
 class PackedCustomOp:
     """One op as ``hybrid_pack::<name>`` and ``hybrid_pack::<name>_backward``: ``tensors`` in order (``"bias?"``:
@@ -65,8 +104,8 @@ class PackedCustomOp:
     def __post_init__(self) -> None:
         args = ", ".join(f"Tensor{'?' if t.endswith('?') else ''} {t.rstrip('?')}" for t in self.tensors)
         common = ", ".join(part for part in (args, "Tensor cu_seqlens", self.options, "str? backend") if part)
-        _LIBRARY.define(f"{self.name}({common}, bool requires_grad) -> Tensor[]")
-        _LIBRARY.define(f"{self.name}_backward(Tensor?[] grads, {common}) -> Tensor[]")
+        _LIBRARY.define(f"{self.name}({common}, bool requires_grad) -> (Tensor[], Tensor)")
+        _LIBRARY.define(f"{self.name}_backward(Tensor?[] grads, Tensor handle, {common}) -> Tensor[]")
         _LIBRARY.impl(self.name, self._forward, "CompositeExplicitAutograd")
         _LIBRARY.impl(f"{self.name}_backward", self._backward, "CompositeExplicitAutograd")
         torch.library.register_fake(f"hybrid_pack::{self.name}", self._fake_forward, lib=_LIBRARY)
@@ -82,8 +121,9 @@ class PackedCustomOp:
                  requires_grad: bool) -> list[torch.Tensor]:
         """Run the op node on a call's ``arguments`` (by name; :attr:`tensors` and the options among them)."""
         op = getattr(torch.ops.hybrid_pack, self.name)
-        return op(*(arguments[name.rstrip("?")] for name in self.tensors), cu_seqlens,
-                  *(arguments[name] for name in self.option_names), backend, requires_grad)
+        outputs, _ = op(*(arguments[name.rstrip("?")] for name in self.tensors), cu_seqlens,
+                        *(arguments[name] for name in self.option_names), backend, requires_grad)
+        return outputs
 
     # -- the parts of a call's arguments
     def _split(self, args: Sequence[Any]) -> tuple[list[Any], torch.Tensor, dict[str, Any], str | None]:
@@ -109,37 +149,44 @@ class PackedCustomOp:
         return [o for o in outputs if o is not None]
 
     # -- forward
-    def _forward(self, *args: Any) -> list[torch.Tensor]:
+    def _forward(self, *args: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         tensors, cu_seqlens, options, backend = self._split(args[:-1])
         requires_grad = args[-1]
         # The same backend as the backward's recomputation: both select with requires_grad as given.
-        with torch.enable_grad() if requires_grad else torch.no_grad():
-            outputs = self._run([_leaf(t, requires_grad) for t in tensors], cu_seqlens, options, backend)
-        return [o.detach() for o in outputs]
+        leaves = [_leaf(t, requires_grad) for t in tensors]
+        with torch.enable_grad() if requires_grad else torch.no_grad(), _recording():
+            outputs = self._run(leaves, cu_seqlens, options, backend)
+        return [o.detach() for o in outputs], _keep(leaves, outputs) if requires_grad else _new_handle()
 
-    def _fake_forward(self, *args: Any) -> list[torch.Tensor]:
+    def _fake_forward(self, *args: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         tensors, cu_seqlens, options, _ = self._split(args[:-1])
-        return list(self.fake(tensors, cu_seqlens.shape[0] - 1, **options))
+        return list(self.fake(tensors, cu_seqlens.shape[0] - 1, **options)), _new_handle()
 
     # -- backward
     def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         tensors, cu_seqlens, options, backend = self._split(inputs[:-1])
-        ctx.save_for_backward(*tensors, cu_seqlens)
+        ctx.save_for_backward(*tensors, cu_seqlens, output[1])
         ctx.options, ctx.backend = options, backend
 
-    def _autograd_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
-        *tensors, cu_seqlens = ctx.saved_tensors
+    def _autograd_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None], _: Any) -> tuple[Any, ...]:
+        *tensors, cu_seqlens, handle = ctx.saved_tensors
         op = getattr(torch.ops.hybrid_pack, f"{self.name}_backward")
-        out = op(list(grads), *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names), ctx.backend)
+        out = op(list(grads), handle, *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names),
+                 ctx.backend)
         input_grads = [g if needed and t is not None else None
                        for g, t, needed in zip(out, tensors, ctx.needs_input_grad, strict=False)]
         return (*input_grads, *([None] * (len(ctx.needs_input_grad) - len(tensors))))
 
-    def _backward(self, grads: list[torch.Tensor | None], *args: Any) -> list[torch.Tensor]:
+    def _backward(self, grads: list[torch.Tensor | None], handle: torch.Tensor, *args: Any
+                  ) -> list[torch.Tensor]:
         tensors, cu_seqlens, options, backend = self._split(args)
-        with torch.enable_grad():
-            leaves = [_leaf(t, True) for t in tensors]
-            outputs = self._run(leaves, cu_seqlens, options, backend)
+        kept = _take(handle)
+        with torch.enable_grad(), _recording():
+            if kept is None:
+                leaves = [_leaf(t, True) for t in tensors]
+                outputs = self._run(leaves, cu_seqlens, options, backend)
+            else:
+                leaves, outputs = kept
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=False) if g is not None and o.requires_grad]
             wrt = [t for t in leaves if t is not None and t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], materialize_grads=True)
@@ -147,6 +194,6 @@ class PackedCustomOp:
         return [_no_grad(cu_seqlens) if t is None else next(got) if t.requires_grad else torch.zeros_like(t)
                 for t in leaves]
 
-    def _fake_backward(self, grads: list[Any], *args: Any) -> list[torch.Tensor]:
+    def _fake_backward(self, grads: list[Any], handle: Any, *args: Any) -> list[torch.Tensor]:
         tensors, cu_seqlens, _, _ = self._split(args)
         return [torch.empty_like(t) if t is not None else _no_grad(cu_seqlens) for t in tensors]

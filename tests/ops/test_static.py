@@ -9,7 +9,9 @@ compiler and runs no forward of the op; a backend with no static form (a kernel)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gc
 
 import pytest
 import torch
@@ -17,7 +19,9 @@ import torch
 from hybrid_pack import PackedBoundaries, backends
 from hybrid_pack.boundaries import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops import library
 from hybrid_pack.ops.dispatch.registry import backends_of, reference_of
+from hybrid_pack.ops.dispatch.route import route_of
 from hybrid_pack.ops.library import _packed_boundaries
 from tests import kit
 from tests.kit import Layout
@@ -116,10 +120,12 @@ def _counting(fn: kit.OpFn, calls: list[str]) -> kit.OpFn:
     return counted
 
 
-def _forward_then_backward_calls(op: str, calls: list[str], backend: str | None = None) -> tuple[int, int]:
-    """Compile the op, run it on a static row, then its backward: how many calls of a backend each phase made."""
+def _forward_then_backward_calls(op: str, calls: list[str], backend: str | None = None,
+                                 compiler: str = "aot_eager") -> tuple[int, int, dict[str, torch.Tensor]]:
+    """Compile the op, run it on a static row, then its backward: how many calls of a backend each phase made, and
+    the outputs and gradients."""
     torch._dynamo.reset()
-    compiled = torch.compile(functools.partial(kit.public_op(op), backend=backend), backend="aot_eager",
+    compiled = torch.compile(functools.partial(kit.public_op(op), backend=backend), backend=compiler,
                              fullgraph=True)
     boundaries = LAYOUTS["every_slot_and_padding"].boundaries()
     case = kit.op_inputs(op, SIGNATURES[op], boundaries)
@@ -128,9 +134,13 @@ def _forward_then_backward_calls(op: str, calls: list[str], backend: str | None 
         calls.clear()
     outputs = kit.run(op, compiled, case, _static(boundaries))
     forward = len(calls)
+    grads = kit.gradients(_loss(outputs), case.arguments)
+    return forward, len(calls) - forward, outputs | grads
+
+
+def _loss(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
     weights = kit.projection(outputs, seed=1)
-    kit.gradients(sum((out.double() * weights[name]).sum() for name, out in outputs.items()), case.arguments)
-    return forward, len(calls) - forward
+    return sum((out.double() * weights[name]).sum() for name, out in outputs.items())
 
 
 @pytest.mark.parametrize("op", SIGNATURES)
@@ -141,19 +151,60 @@ def test_the_compiled_backward_runs_the_op_forward_zero_times(op: str, monkeypat
         for attribute in ("fn", "static_fn"):
             if getattr(backend, attribute) is not None:
                 monkeypatch.setitem(backend.__dict__, attribute, _counting(getattr(backend, attribute), calls))
-    forward, backward = _forward_then_backward_calls(op, calls)
+    forward, backward, _ = _forward_then_backward_calls(op, calls)
     assert forward >= 1, "the count sees the traced static form"
     assert backward == 0, f"the compiled backward ran the op's forward {backward} times"
 
 
-def test_a_backend_without_a_static_form_runs_as_the_opaque_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel (here a planted CPU one, no static form) is one opaque node: exact, and its backward recomputes
-    its forward once, which the count above would catch."""
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_backend_without_a_static_form_runs_as_the_opaque_node(compiler: str) -> None:
+    """A kernel (here a planted CPU one, no static form) is one opaque node: the eager results exactly, and its
+    backward uses the graph its forward kept (no second forward, as in eager); nothing stays kept after it."""
     calls: list[str] = []
     backends.register("conv", "planted", _counting(reference_of("conv").fn, calls), priority=100,
                       devices=("cpu",), dtypes=(torch.float64,))
     try:
-        forward, backward = _forward_then_backward_calls("conv", calls, backend="planted")
+        forward, backward, got = _forward_then_backward_calls("conv", calls, backend="planted", compiler=compiler)
     finally:
         backends.unregister("conv", "planted")
-    assert (forward, backward) == (1, 1)
+    assert (forward, backward) == (1, 0)
+    boundaries = LAYOUTS["every_slot_and_padding"].boundaries()
+    case = kit.op_inputs("conv", SIGNATURES["conv"], boundaries)
+    for name, expected in kit.forward_backward("conv", kit.public_op("conv"), case, boundaries).items():
+        kit.assert_close(got[name], expected, name, tol=0.0)
+    assert not library._graphs, "the backward took the graph its forward kept"
+
+
+def _opaque_conv(requires_grad: bool) -> tuple[dict[str, torch.Tensor], kit.CheckCase, StaticBoundaries]:
+    """The conv's opaque node called eagerly on a static row (the torch backend, through the node)."""
+    boundaries = LAYOUTS["padding_and_unused_slots"].boundaries()
+    case = kit.op_inputs("conv", SIGNATURES["conv"], boundaries)
+    case = dataclasses.replace(case, arguments=case.leaves(case.floats() if requires_grad else ()))
+    static = _static(boundaries)
+    outputs = route_of("conv").opaque(case.arguments, static.cu_seqlens, backend="torch", requires_grad=requires_grad)
+    return {"output": outputs[0]}, case, static
+
+
+def test_a_forward_without_its_backward_keeps_nothing() -> None:
+    """The graph kept for the backward goes with the forward's outputs: a forward whose backward never comes (an
+    evaluation with gradients on, a checkpoint's discarded forward) leaves nothing behind."""
+    outputs, _, _ = _opaque_conv(requires_grad=True)
+    assert len(library._graphs) == 1
+    del outputs
+    gc.collect()
+    assert not library._graphs
+    _opaque_conv(requires_grad=False)
+    assert not library._graphs
+
+
+def test_a_second_backward_runs_the_forward_again_with_the_same_gradients() -> None:
+    """``retain_graph=True``: the first backward takes the kept graph, the second runs the forward again; both equal
+    the plain call's gradients exactly."""
+    outputs, case, static = _opaque_conv(requires_grad=True)
+    loss = _loss(outputs)
+    first = kit.gradients(loss, case.arguments, retain_graph=True)
+    second = kit.gradients(loss, case.arguments)
+    expected = kit.forward_backward("conv", kit.public_op("conv"), case, static)
+    for name in first:
+        kit.assert_close(first[name], expected[name], name, tol=0.0)
+        kit.assert_close(second[name], expected[name], name, tol=0.0)

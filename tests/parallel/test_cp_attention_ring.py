@@ -19,9 +19,12 @@ import torch
 from hybrid_pack import PackedBoundaries
 from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.isolation import Mismatch, adversarial_cp_row
+from hybrid_pack.ops.attention import cp
 from hybrid_pack.ops.attention.check import check_partial, make_inputs
 from hybrid_pack.ops.attention.partial import BLOCKWISE, PartialAttention, from_differentiable
 from hybrid_pack.ops.attention.ring import PIECES_PER_CHUNK, ring_plan
+from hybrid_pack.ops.dispatch import verdicts as kept
+from hybrid_pack.ops.dispatch.selector import resolve
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import attention_signature
 from tests.workers import cp_attention_ring as worker
@@ -130,3 +133,19 @@ def test_partial_check_refuses_a_planted_error(where):
     planted = PartialAttention("planted", forward, backward)
     with pytest.raises(Mismatch):
         check_partial(planted, _case(), torch.Generator().manual_seed(1), requires_grad=True)
+
+
+def test_the_partial_form_is_chosen_once_per_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sharded attention call looks its partial form up; the selector runs once per key, and again after the
+    verdicts change (as a route's choice)."""
+    resolved = []
+    monkeypatch.setattr(cp, "resolve", lambda *args, **kwargs: resolved.append(1) or resolve(*args, **kwargs))
+    q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16)
+    kept.changed()
+    first = cp._partial_form(q, k, k, 0.25, None, None)
+    assert cp._partial_form(q, k, k, 0.25, None, None) is first and len(resolved) == 1
+    cp._partial_form(q, k, k, 0.25, 4, None)
+    assert len(resolved) == 2, "a new window is a new key"
+    kept.changed()
+    cp._partial_form(q, k, k, 0.25, None, None)
+    assert len(resolved) == 3, "a verdict change forgets the choice"

@@ -35,9 +35,13 @@ from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.partial import PartialAttention, attend, partial_attention_of
 from hybrid_pack.ops.attention.ring import ring_attention, ring_plan
 from hybrid_pack.ops.cp.exchange import with_preceding_tokens
-from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.dispatch import verdicts
+from hybrid_pack.ops.dispatch.selector import forced_context, recording_keys, resolve
 
 __all__ = ["varlen_attention_cp"]
+
+PARTIAL = "attention partial form"
+"""The first item of a context-parallel attention call's key in :data:`verdicts.CHOICES`."""
 
 
 def _other_segments(boundaries: ShardedBoundaries, halos: tuple[int, ...]) -> PackedBoundaries | None:
@@ -70,13 +74,21 @@ def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 def _partial_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window: int | None,
                   backend: str | None) -> PartialAttention:
     """The partial form of the backend the selector picks for this call on a whole row (the one the other
-    segments run on): a kernel serves it only after its self-check, which covers these shapes."""
+    segments run on): a kernel serves it only after its self-check, which covers these shapes. Chosen once per
+    key, like a route's choice (:data:`verdicts.CHOICES`)."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    inputs = {"q": q, "k": k, "v": v, "causal": True, "softmax_scale": softmax_scale, "window": window,
-              "requires_grad": requires_grad}
-    chosen = resolve(OP, device=q.device, dtype=q.dtype, requires_grad=requires_grad, backend=backend,
-                     inputs=inputs, signature=signature_of(q, k, v, True, window))
-    return partial_attention_of(chosen.name)
+    key = (PARTIAL, q.device, requires_grad, backend, forced_context().get(OP), q.shape[2:], k.shape[2],
+           window, q.dtype, k.dtype, v.dtype)
+    form = verdicts.CHOICES.get(key)
+    if form is None:
+        inputs = {"q": q, "k": k, "v": v, "causal": True, "softmax_scale": softmax_scale, "window": window,
+                  "requires_grad": requires_grad}
+        chosen = resolve(OP, device=q.device, dtype=q.dtype, requires_grad=requires_grad, backend=backend,
+                         inputs=inputs, signature=signature_of(q, k, v, True, window))
+        form = partial_attention_of(chosen.name)
+        if not recording_keys():  # the discovery pass runs on the pure-torch backends: nothing to keep
+            verdicts.CHOICES[key] = form
+    return form
 
 
 def varlen_attention_cp(op: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -149,11 +149,11 @@ class _RingAttention(torch.autograd.Function):
                 ) -> tuple[torch.Tensor, ...]:
         options = {"scale": scale, "window": None}
         accumulator = torch.float64 if q.dtype == torch.float64 else torch.float32
+        pending = _post_piece(k, v, plan.passes[0][0], group) if plan.passes else None  # in flight meanwhile
         merged = []
         for s, n in plan.heads:
             out, lse = partial.forward(q[s:s + n], k[s:s + n], v[s:s + n], causal=True, **options)
             merged.append((out.to(accumulator), lse.to(accumulator)))
-        pending = _post_piece(k, v, plan.passes[0][0], group) if plan.passes else None
         for j, (_, head) in enumerate(plan.passes):
             piece_k, piece_v = (exchange.wait() for exchange in pending)
             pending = _post_piece(k, v, plan.passes[j + 1][0], group) if j + 1 < len(plan.passes) else None
@@ -182,6 +182,7 @@ class _RingAttention(torch.autograd.Function):
         accumulator = lse.dtype
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        pending = _post_piece(k, v, plan.passes[0][0], group) if plan.passes else None  # in flight meanwhile
         grad_q = grad_k = grad_v = None
         spans, at = [], 0
         for start, length in plan.heads:
@@ -204,7 +205,6 @@ class _RingAttention(torch.autograd.Function):
                 for acc, g, t in zip((grad_q, grad_k, grad_v), handed, (q, k, v), strict=True))
         if grad_k is None and plan.passes:  # a rank without heads: its keys' gradients come back from the others
             grad_k, grad_v = (t.new_zeros(t.shape, dtype=accumulator) for t in (k, v))
-        pending = _post_piece(k, v, plan.passes[0][0], group) if plan.passes else None
         returning: tuple[PendingExchange, PendingExchange] | None = None
         for j, (exchange, head) in enumerate(plan.passes):
             piece_k, piece_v = (exchange_.wait() for exchange_ in pending)
