@@ -8,7 +8,8 @@ One line changes in a TRL script::
 ``GRPOTrainer`` scores its completions (the policy's log-probabilities in the loss, the old policy's and the
 reference model's) on a padded batch ``[B, P + C]``: prompts left-padded, completions right-padded; every padded
 token costs a forward, and every kernel must honour the padding mask. :class:`PackedGRPOTrainer` overrides one
-method, ``_get_per_token_logps_and_entropies``: it strips the padding (the ``attention_mask``), packs each
+method, ``_get_per_token_logps_and_entropies`` (and wraps three to carry each generated sequence's real lengths,
+taken on the host from the token lists, with the batch): it strips the padding (by those lengths), packs each
 micro-batch's real prompt + completion tokens with :func:`~hybrid_pack.packing.pack_rollouts` into rows of at most
 ``packing_capacity`` tokens (default: one row), runs TRL's own fused LM head on each row (same temperature, same
 float32 log-softmax kernel), and scatters the log-probabilities (and entropies) back into TRL's ``[B, C]`` layout,
@@ -77,11 +78,17 @@ _OVERRIDDEN = "_get_per_token_logps_and_entropies"
 _EXPECTED_PARAMETERS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                         "compute_entropy", "compute_aux_loss")
 """The leading parameters of TRL 1.16's method, in order (the rest are multimodal inputs, refused here)."""
+_WRAPPED = ("_generate", "_generate_and_score_completions", "_compute_loss")
+"""TRL's methods wrapped to carry the generated sequences' lengths (:data:`REAL_LENGTHS`)."""
 
 _MODEL_KEYS = (POSITION_IDS, SEQ_IDX, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, NUM_PAD_TOKENS,
                HOST_BOUNDARIES)
 """The keys of a :func:`pack_rollouts` batch that the patched model takes besides its tokens (the RL fields stay
 out; ``host_boundaries``: the model reads no boundary tensor, docs/api.md §9b)."""
+
+REAL_LENGTHS = "hybrid_pack_real_lengths"
+"""The entry of TRL's generation batch holding each sequence's ``(prompt, completion)`` real token counts, taken on
+the host from the generated token lists: a list, which TRL shuffles and splits with the batch's tensors."""
 
 
 def refuse_untested_trl(trainer: str, relies_on: str) -> None:
@@ -105,6 +112,10 @@ def _check_trl_version(trainer: str, base: type) -> None:
     if parameters[:len(_EXPECTED_PARAMETERS)] != _EXPECTED_PARAMETERS:
         raise InputError(f"trl: {trainer} relies on {relies_on}, whose parameters changed in this trl "
                          f"{trl.__version__}: {parameters}. Install the tested release: pip install 'hybrid_pack[trl]'")
+    missing = [name for name in _WRAPPED if not callable(getattr(base, name, None))]
+    if missing:
+        raise InputError(f"trl: {trainer} wraps {base.__name__}.{', '.join(missing)}, missing in this trl "
+                         f"{trl.__version__}. Install the tested release: pip install 'hybrid_pack[trl]'")
 
 
 def _check_capacity(packing_capacity: Any) -> int | None:
@@ -161,11 +172,28 @@ class _PackedChunk:
     targets: list[torch.Tensor]
 
 
+def _generated_lengths(prompt_ids: list[list[int]], completion_ids: list[list[int]], truncated_masked: bool,
+                       ends: set[int]) -> list[tuple[int, int]]:
+    """Each generated sequence's ``(prompt, completion)`` real token counts, as TRL's masks will have them: every
+    listed token is real, and with ``mask_truncated_completions`` a completion not ending in one of ``ends`` (EOS
+    or padding) has none."""
+    return [(len(prompt), 0 if truncated_masked and (not completion or completion[-1] not in ends)
+             else len(completion)) for prompt, completion in zip(prompt_ids, completion_ids, strict=True)]
+
+
+def _lengths_fit(lengths: list[tuple[int, int]] | None, attention_mask: torch.Tensor, logits_to_keep: int) -> bool:
+    """Whether host-side ``lengths`` can describe this call's mask ``[B, P + C]`` (one pair per row, within its
+    prompt and completion widths); shapes only, no read."""
+    prompt_width = attention_mask.shape[1] - logits_to_keep
+    return (lengths is not None and len(lengths) == attention_mask.shape[0]
+            and all(0 <= p <= prompt_width and 0 <= c <= logits_to_keep for p, c in lengths))
+
+
 def _real_lengths(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[list[int], list[int]]:
-    """Each sequence's real prompt and completion token counts, in one device-to-host copy: the log-probability
-    call's only read of a tensor value, made before its forwards (docs/api.md §9b). TRL left-pads the prompts and
-    right-pads the completions (a masked completion has none), so the counts say where every real token is; a mask
-    of any other shape raises."""
+    """Each sequence's real prompt and completion token counts read from the mask, in one device-to-host copy made
+    before the forwards: the fallback where TRL's batch carries no :data:`REAL_LENGTHS` (docs/api.md §9b). TRL
+    left-pads the prompts and right-pads the completions (a masked completion has none), so the counts say where
+    every real token is; a mask of any other shape raises."""
     mask = attention_mask.bool()
     prompt_width = mask.shape[1] - logits_to_keep
     prompt, completion = mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1)
@@ -235,6 +263,35 @@ class PackedLogProbs:
             patch_model(self.accelerator.unwrap_model(self.ref_model))
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         self.padding_token_id = getattr(tokenizer, "pad_token_id", None) or 0
+        self._generated: list[tuple[int, int]] | None = None   # this generation's lengths, while it is scored
+        self._scored: list[tuple[int, int]] | None = None      # the loss's micro-batch's lengths, while it runs
+
+    def _generate(self, prompts: list[Any]) -> tuple[Any, ...]:
+        """TRL's generation; each sequence's real lengths are taken from its token lists on the host, for the
+        scoring of this generation and (with the batch) for the loss."""
+        generated = super()._generate(prompts)
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        self._generated = _generated_lengths(generated[0], generated[1], self.mask_truncated_completions, ends)
+        return generated
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        """TRL's batch, carrying :data:`REAL_LENGTHS` (the old policy's and the reference's log-probabilities,
+        computed inside, use them)."""
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+            if self._generated is not None:
+                batch[REAL_LENGTHS] = self._generated
+            return batch
+        finally:
+            self._generated = None
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's loss; the policy's log-probabilities use the micro-batch's :data:`REAL_LENGTHS`."""
+        self._scored = inputs.get(REAL_LENGTHS)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._scored = None
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(
@@ -262,7 +319,11 @@ class PackedLogProbs:
             # generations, for the old policy's and the reference's log-probabilities) packed into rows of
             # packing_capacity tokens. A MoE auxiliary loss keeps TRL's chunks, over which TRL averages it.
             batch_size = input_ids.size(0)
-        prompt_lengths, completion_lengths = _real_lengths(attention_mask, logits_to_keep)
+        known = self._generated if self._generated is not None else self._scored
+        if _lengths_fit(known, attention_mask, logits_to_keep):
+            prompt_lengths, completion_lengths = [p for p, _ in known], [c for _, c in known]
+        else:
+            prompt_lengths, completion_lengths = _real_lengths(attention_mask, logits_to_keep)
         starts = range(0, input_ids.size(0), batch_size)
         chunks = [self._pack_chunk(prompt_lengths[start:start + batch_size],
                                    completion_lengths[start:start + batch_size], input_ids.size(1), logits_to_keep)
@@ -430,7 +491,8 @@ class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInva
 
     Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if
     any) is patched with :func:`~hybrid_pack.integrations.transformers.patch_model` once TRL has wrapped it
-    (PEFT) and given it its fused LM head. Only ``_get_per_token_logps_and_entropies`` is overridden: the
+    (PEFT) and given it its fused LM head. Only ``_get_per_token_logps_and_entropies`` is overridden (``_generate``,
+    ``_generate_and_score_completions`` and ``_compute_loss`` are wrapped to carry the lengths): the
     policy's forward in the loss, the old policy's and the reference model's forwards run on packed rows of the
     micro-batch's real prompt + completion tokens; their results come back in TRL's ``[B, C]`` layout.
     Completion tokens TRL masks (padding; truncated completions with ``mask_truncated_completions``) get 0, as

@@ -25,9 +25,11 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'hybr
 from datasets import Dataset  # noqa: E402
 
 from hybrid_pack.errors import InputError  # noqa: E402
+from hybrid_pack.integrations import trl_grpo  # noqa: E402
 from hybrid_pack.integrations.transformers import is_patched  # noqa: E402
 from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl import TESTED_TRL, PackedGRPOTrainer  # noqa: E402
+from hybrid_pack.integrations.trl_grpo import _real_lengths as real_lengths  # noqa: E402
 from hybrid_pack.schema import ATTENTION_MASK, CU_SEQ_LENS_Q, INPUT_IDS, SEQ_IDX  # noqa: E402
 from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
@@ -142,12 +144,17 @@ def _train(trainer_class: type, family: str, tmp_path: Path, capacity: int | Non
                                                      (16, {"mask_truncated_completions": False, "temperature": 0.7})],
                          ids=["one-row-per-chunk", "capacity-16"])
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
-def test_one_step_equals_trl(family: str, capacity: int | None, settings: dict[str, Any], tmp_path: Path) -> None:
+def test_one_step_equals_trl(family: str, capacity: int | None, settings: dict[str, Any], tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Same generations, one SGD step: TRL's padded trainer against the packed one (one row per chunk, or rows
     of at most 16 tokens), with and without ``mask_truncated_completions``, at TRL's default temperature and
-    another (the fused LM head divides the logits by it)."""
+    another (the fused LM head divides the logits by it). The packed trainer forms every row from the lengths
+    taken on the host from the generated token lists: it never reads the masks."""
     reference, expected, _ = _train(trl.GRPOTrainer, family, tmp_path, **settings)
+    mask_reads: list[int] = []
+    monkeypatch.setattr(trl_grpo, "_real_lengths", lambda *args: mask_reads.append(1) or real_lengths(*args))
     packed, got, forwards = _train(PackedGRPOTrainer, family, tmp_path, capacity, **settings)
+    assert mask_reads == [], "a log-probability call read the attention mask"
     assert is_patched(packed.model) and is_patched(packed.ref_model) and not is_patched(reference.model)
 
     # old policy (2 chunks), reference model (2 chunks), policy in the loss: logps, entropies, MoE aux loss

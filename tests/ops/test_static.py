@@ -208,3 +208,33 @@ def test_a_second_backward_runs_the_forward_again_with_the_same_gradients() -> N
     for name in first:
         kit.assert_close(first[name], expected[name], name, tol=0.0)
         kit.assert_close(second[name], expected[name], name, tol=0.0)
+
+
+def test_a_checkpointed_opaque_node_keeps_nothing_and_its_recompute_serves_the_backward() -> None:
+    """Under ``torch.utils.checkpoint`` (non-reentrant): the discarded forward keeps no graph, the backward runs the
+    graph of the recompute (two forwards, no third), and the gradients are the plain call's exactly."""
+    calls: list[str] = []
+    backends.register("conv", "planted", _counting(reference_of("conv").fn, calls), priority=100,
+                      devices=("cpu",), dtypes=(torch.float64,))
+    try:
+        boundaries = LAYOUTS["padding_and_unused_slots"].boundaries()
+        case = kit.op_inputs("conv", SIGNATURES["conv"], boundaries)
+        case = dataclasses.replace(case, arguments=case.leaves(case.floats()))
+        planted = functools.partial(kit.public_op("conv"), backend="planted")
+        kit.run("conv", planted, case, boundaries)  # its self-check
+        calls.clear()
+
+        def block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return kit.run("conv", planted, case, _static(boundaries), {**case.arguments, "x": x,
+                                                                        "weight": weight})["output"]
+
+        output = torch.utils.checkpoint.checkpoint(block, case.arguments["x"], case.arguments["weight"],
+                                                   use_reentrant=False)
+        assert len(calls) == 1 and not library._graphs
+        got = kit.gradients(_loss({"output": output}), case.arguments)
+    finally:
+        backends.unregister("conv", "planted")
+    assert len(calls) == 2 and not library._graphs
+    expected = kit.forward_backward("conv", kit.public_op("conv"), case, _static(boundaries))
+    for name in got:
+        kit.assert_close(got[name], expected[name], name, tol=0.0)
