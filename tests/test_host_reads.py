@@ -262,8 +262,9 @@ def test_grpo_log_probabilities_read_once_before_their_forwards(tmp_path: Path) 
 
 
 def test_dpo_fused_call_reads_once_before_its_forward(tmp_path: Path) -> None:
-    """``PackedDPOTrainer``'s packed call takes the rows' lengths in one copy before the forward; the forward, the
-    scatter back to TRL's layout and the backward read nothing."""
+    """``PackedDPOTrainer``'s packed call made without the lengths its collator adds takes them in one copy before
+    the forward; the forward, the scatter back to TRL's layout and the backward read nothing. (In TRL's step the
+    collator hands them over: tests/integrations/test_trl_dpo.py.)"""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 

@@ -6,7 +6,9 @@ returns per-token ``log_probs [2B, T - 1]`` (0 where the next label is -100), wh
 :class:`PackedFusedCalls` is a pair of forward hooks on the policy and the reference model: the pre-hook lays
 the real tokens of every row (prompt + chosen, prompt + rejected: the prompt is repeated, as TRL does) end
 to end in one packed row with its boundary keys, and the post-hook puts each per-token field back in TRL's
-padded layout. TRL's own code does the rest (its loss, rewards, margins, metrics), unchanged. With
+padded layout. The rows' real lengths come with the batch from the trainer's collator (TRL's, wrapped: it reads its
+own host-side mask), so a call reads no device tensor. TRL's own code does the rest (its loss, rewards, margins,
+metrics), unchanged. With
 ``batch_invariant=True`` the row is a static row of ``packing_capacity`` tokens and every step runs inside
 :func:`hybrid_pack.batch_invariant` (docs/rl.md, "On-policy numerics").
 """
@@ -42,9 +44,36 @@ FUSED_LM_HEAD = "fused_lm_head"
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
+ROW_LENGTHS = "hybrid_pack_row_lengths"
+"""The batch entry :class:`PackedDPOTrainer`'s collator adds: the rows' real token counts (:class:`RowLengths`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLengths:
+    """Each row's real token count, taken by the collator from its host-side ``attention_mask``: an object (not a
+    tensor, not a sequence) that HF ``Trainer`` and accelerate hand to the model untouched (docs/api.md §9b)."""
+
+    lengths: tuple[int, ...]
+
+
+class _CollatorWithLengths:
+    """TRL's preference collator, adding :data:`ROW_LENGTHS` to each batch (read on the host, where it pads)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collator(examples)
+        mask = batch.get(ATTENTION_MASK)
+        if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and mask.dim() == 2:
+            batch[ROW_LENGTHS] = RowLengths(tuple(_right_padded_lengths(mask)))
+        return batch
+
+
 def _right_padded_lengths(mask: torch.Tensor) -> list[int]:
-    """Each row's real tokens, in one device-to-host copy (the call's only read of a tensor value); a row with a
-    real token after padding (not TRL's right padding) raises."""
+    """Each row's real tokens, in one copy to the host (the collator's host mask, or the fallback read of a call
+    whose batch carries no :data:`ROW_LENGTHS`); a row with a real token after padding (not TRL's right padding)
+    raises."""
     keep = mask.bool()
     lengths = keep.sum(1)
     misplaced = (keep != (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).any(1)
@@ -73,10 +102,15 @@ class PackedFusedCalls:
                         model.register_forward_hook(self.after, with_kwargs=True, always_call=True)]
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        known = kwargs.pop(ROW_LENGTHS, None)   # never reaches the model
         mask, ids = kwargs.get(ATTENTION_MASK), kwargs.get(INPUT_IDS)
         if args or not kwargs.get(FUSED_LM_HEAD) or mask is None or ids is None or ids.dim() != 2:
-            return None
-        lengths = _right_padded_lengths(mask)   # the call's one read (docs/api.md §9b)
+            return args, kwargs
+        if isinstance(known, RowLengths) and len(known.lengths) == ids.shape[0] \
+                and max(known.lengths, default=0) <= ids.shape[1]:
+            lengths = list(known.lengths)
+        else:
+            lengths = _right_padded_lengths(mask)   # the call's one read (docs/api.md §9b)
         real = sum(lengths)
         pad = 0 if self.pack_length is None else self.pack_length - real
         if pad < 0:
@@ -158,6 +192,7 @@ class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTr
         if self.batch_invariant and getattr(self, "aux_loss_enabled", False):
             raise InputError("batch_invariant: not with a router's auxiliary loss (output_router_logits): it would "
                              "count the padding of the static row; set output_router_logits=False")
+        self.data_collator = _CollatorWithLengths(self.data_collator)
         self.packed_calls = []
         for model in (self.model, self.ref_model):
             if model is not None:

@@ -6,6 +6,7 @@ first step, ``lr * sign(grad)``, turns rounding in near-zero gradients into whol
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ trl = pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 
+from hybrid_pack.integrations import trl_dpo  # noqa: E402
 from hybrid_pack.integrations.transformers import patch_model  # noqa: E402
 from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl_dpo import PackedDPOTrainer  # noqa: E402
@@ -55,10 +57,16 @@ def _step(trainer_class: type, family: str, tmp_path, calls: list | None = None,
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
-def test_packed_dpo_step_equals_trl(family: str, tmp_path) -> None:
-    """fp32 (DPOConfig's default is bf16 autocast, whose rounding differs between any two layouts)."""
+def test_packed_dpo_step_equals_trl(family: str, tmp_path, monkeypatch) -> None:
+    """fp32 (DPOConfig's default is bf16 autocast, whose rounding differs between any two layouts). The rows'
+    lengths come with the batch from the collator: no call reads the device mask."""
     calls: list = []
+    readers: list = []
+    read = trl_dpo._right_padded_lengths
+    monkeypatch.setattr(trl_dpo, "_right_padded_lengths",
+                        lambda mask: readers.append(sys._getframe(1).f_code.co_name) or read(mask))
     packed_log, packed_params = _step(PackedDPOTrainer, family, tmp_path / "packed", calls)
+    assert readers and set(readers) == {"__call__"}, f"lengths read by {readers}: only the collator may read them"
     padded_log, padded_params = _step(trl.DPOTrainer, family, tmp_path / "padded")
     assert calls and all(shape[0] == 1 for shape in calls), calls       # every forward a packed row [1, R]
     assert padded_log["grad_norm"] > 0.1                                 # a real update is compared
