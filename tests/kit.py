@@ -25,7 +25,15 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.isolation import Layout
-from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
+from hybrid_pack.ops import (
+    causal_conv1d,
+    decay_linear_attention,
+    gated_delta_rule,
+    kda,
+    mamba2_ssd,
+    selective_scan,
+    varlen_attention,
+)
 from hybrid_pack.ops.dispatch.contract import CheckCase, Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import contract_of
 from hybrid_pack.ops.gated_delta.torch_backend import CHUNK_SIZE as GATED_DELTA_CHUNK
@@ -135,7 +143,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, *, tol
 
 # ---------------------------------------------------------------- op inputs
 PUBLIC_OPS: dict[str, OpFn] = {"attention": varlen_attention, "conv": causal_conv1d, "gated_delta": gated_delta_rule,
-                               "ssd": mamba2_ssd}
+                               "ssd": mamba2_ssd, "kda": kda, "decay_linear_attention": decay_linear_attention,
+                               "selective_scan": selective_scan}
 
 
 def public_op(op: str, backend: str = "torch") -> OpFn:

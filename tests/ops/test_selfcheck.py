@@ -3,7 +3,8 @@ refused before they serve, and the call goes to the next backend; a correct one 
 
 Every planted kernel is the op's own pure-torch backend with one defect: it ignores the boundaries
 (leaks forward), mixes gradients across documents only in its backward pass, is 1% or 0.1% off, raises, or
-raises in its backward pass. They run on CPU in float32, for every op.
+raises in its backward pass. They run on CPU in float32, for every op with boundaries (linear cross-entropy's
+planted kernels: tests/ops/test_linear_cross_entropy.py).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def status_of(op: str) -> backends.BackendStatus:
     return next(row for row in backends.available(op) if row.backend == PLANTED)
 
 
-OPS = ("attention", "conv", "gated_delta", "ssd")
+OPS = ("attention", "conv", "gated_delta", "ssd", "kda", "decay_linear_attention", "selective_scan")
 REFUSED = {  # defect -> what the reason says
     "ignores_boundaries": "differs",
     "gradient_leak": "reaches other segments",
