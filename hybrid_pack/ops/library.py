@@ -2,15 +2,18 @@
 form (docs/compile.md). The real implementation reads ``cu_seqlens`` on the host (refused in a CUDA graph capture);
 the fake gives the output shapes. With gradients, the forward keeps the eager backend's autograd graph for its backward
 (the backward runs no second forward, as in eager) behind a one-byte host *handle* output, kept while the handle lives;
-a backward that finds no graph (a second backward of one forward) runs the forward again. States are per slot
-``[S, ...]``."""
+the outputs are saved for the backward, which runs the kept graph only on the very memory it holds. A backward that
+finds no graph (a second backward of one forward) or other memory (an input a compiler recomputed) runs the forward
+again. States are per slot ``[S, ...]``."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ from hybrid_pack.errors import InputError
 __all__ = ["PackedCustomOp"]
 
 _LIBRARY = torch.library.Library("hybrid_pack", "DEF")
+_SOURCE = Path(__file__).read_bytes()
 _last = threading.local()
 _graphs: dict[int, tuple[object, list[torch.Tensor | None], list[torch.Tensor]]] = {}
 """The autograd graphs the forwards kept for their backwards: handle address -> (token, leaves, outputs)."""
@@ -83,14 +87,27 @@ def _drop(key: int, token: object) -> None:
         del _graphs[key]
 
 
-def _take(handle: torch.Tensor) -> tuple[list[torch.Tensor | None], list[torch.Tensor]] | None:
+def _take(handle: torch.Tensor, tensors: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]
+          ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]] | None:
+    """The graph the forward kept, if the backward was handed the very inputs and outputs it holds: memory kept
+    alive for the backward since the forward, which a compiler cannot have reused (an input recomputed for the
+    backward, or an output let go, may have been overwritten in place). None: run the forward again."""
     kept = _graphs.pop(handle.untyped_storage().data_ptr(), None)
-    return None if kept is None else kept[1:]
+    if kept is None or not (_same_memory(kept[1], tensors) and _same_memory(kept[2], outputs)):
+        return None
+    return kept[1], kept[2]
+
+
+def _same_memory(kept: Sequence[torch.Tensor | None], given: Sequence[torch.Tensor | None]) -> bool:
+    return len(kept) == len(given) and all(
+        (a is None) == (b is None) and (a is None or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+        for a, b in zip(kept, given, strict=True))
 
 
 @dataclass(frozen=True)
 class PackedCustomOp:
-    """One op as ``hybrid_pack::<name>`` and ``hybrid_pack::<name>_backward``: ``tensors`` in order (``"bias?"``:
+    """One op as ``hybrid_pack::<name>.<overload>`` and ``hybrid_pack::<name>_backward.<overload>`` (the overload
+    names this version of the node): ``tensors`` in order (``"bias?"``:
     optional), ``options`` the schema of the rest (``"bool causal, float softmax_scale"``), ``eager`` the public op,
     ``fake(tensors, num_segments, **options)`` its empty outputs, ``state_input`` the initial state's index."""
 
@@ -100,17 +117,24 @@ class PackedCustomOp:
     eager: Callable[..., Any]
     fake: Callable[..., Sequence[torch.Tensor]] = like_first_input
     state_input: int | None = None
+    overload: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         args = ", ".join(f"Tensor{'?' if t.endswith('?') else ''} {t.rstrip('?')}" for t in self.tensors)
         common = ", ".join(part for part in (args, "Tensor cu_seqlens", self.options, "str? backend") if part)
-        _LIBRARY.define(f"{self.name}({common}, bool requires_grad) -> (Tensor[], Tensor)")
-        _LIBRARY.define(f"{self.name}_backward(Tensor?[] grads, Tensor handle, {common}) -> Tensor[]")
-        _LIBRARY.impl(self.name, self._forward, "CompositeExplicitAutograd")
-        _LIBRARY.impl(f"{self.name}_backward", self._backward, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"hybrid_pack::{self.name}", self._fake_forward, lib=_LIBRARY)
-        torch.library.register_fake(f"hybrid_pack::{self.name}_backward", self._fake_backward, lib=_LIBRARY)
-        torch.library.register_autograd(f"hybrid_pack::{self.name}", self._autograd_backward,
+        schemas = {self.name: f"({common}, bool requires_grad) -> (Tensor[], Tensor)",
+                   f"{self.name}_backward": f"(Tensor?[] grads, Tensor handle, Tensor[] outputs, {common}) -> Tensor[]"}
+        # The overload is named by this code and the schemas: torch's compile caches know an op by its name only,
+        # so a graph compiled against another version of the node is never loaded for this one.
+        version = "v" + hashlib.sha1(_SOURCE + repr(schemas).encode()).hexdigest()[:12]
+        object.__setattr__(self, "overload", version)
+        for name, schema in schemas.items():
+            _LIBRARY.define(f"{name}.{version}{schema}")
+        _LIBRARY.impl(f"{self.name}.{version}", self._forward, "CompositeExplicitAutograd")
+        _LIBRARY.impl(f"{self.name}_backward.{version}", self._backward, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"hybrid_pack::{self.name}.{version}", self._fake_forward, lib=_LIBRARY)
+        torch.library.register_fake(f"hybrid_pack::{self.name}_backward.{version}", self._fake_backward, lib=_LIBRARY)
+        torch.library.register_autograd(f"hybrid_pack::{self.name}.{version}", self._autograd_backward,
                                         setup_context=self._setup_context, lib=_LIBRARY)
 
     @property
@@ -120,7 +144,7 @@ class PackedCustomOp:
     def __call__(self, arguments: Mapping[str, Any], cu_seqlens: torch.Tensor, *, backend: str | None,
                  requires_grad: bool) -> list[torch.Tensor]:
         """Run the op node on a call's ``arguments`` (by name; :attr:`tensors` and the options among them)."""
-        op = getattr(torch.ops.hybrid_pack, self.name)
+        op = getattr(getattr(torch.ops.hybrid_pack, self.name), self.overload)
         outputs, _ = op(*(arguments[name.rstrip("?")] for name in self.tensors), cu_seqlens,
                         *(arguments[name] for name in self.option_names), backend, requires_grad)
         return outputs
@@ -165,22 +189,24 @@ class PackedCustomOp:
     # -- backward
     def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         tensors, cu_seqlens, options, backend = self._split(inputs[:-1])
-        ctx.save_for_backward(*tensors, cu_seqlens, output[1])
+        ctx.save_for_backward(*tensors, cu_seqlens, output[1], *output[0])  # outputs too: alive until the backward
         ctx.options, ctx.backend = options, backend
 
     def _autograd_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None], _: Any) -> tuple[Any, ...]:
-        *tensors, cu_seqlens, handle = ctx.saved_tensors
-        op = getattr(torch.ops.hybrid_pack, f"{self.name}_backward")
-        out = op(list(grads), handle, *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names),
+        n = len(self.tensors)
+        saved = ctx.saved_tensors
+        tensors, cu_seqlens, handle, outputs = saved[:n], saved[n], saved[n + 1], list(saved[n + 2:])
+        op = getattr(getattr(torch.ops.hybrid_pack, f"{self.name}_backward"), self.overload)
+        out = op(list(grads), handle, outputs, *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names),
                  ctx.backend)
         input_grads = [g if needed and t is not None else None
                        for g, t, needed in zip(out, tensors, ctx.needs_input_grad, strict=False)]
         return (*input_grads, *([None] * (len(ctx.needs_input_grad) - len(tensors))))
 
-    def _backward(self, grads: list[torch.Tensor | None], handle: torch.Tensor, *args: Any
-                  ) -> list[torch.Tensor]:
+    def _backward(self, grads: list[torch.Tensor | None], handle: torch.Tensor, outputs: list[torch.Tensor],
+                  *args: Any) -> list[torch.Tensor]:
         tensors, cu_seqlens, options, backend = self._split(args)
-        kept = _take(handle)
+        kept = _take(handle, tensors, outputs)
         with torch.enable_grad(), _recording():
             if kept is None:
                 leaves = [_leaf(t, True) for t in tensors]
@@ -194,6 +220,6 @@ class PackedCustomOp:
         return [_no_grad(cu_seqlens) if t is None else next(got) if t.requires_grad else torch.zeros_like(t)
                 for t in leaves]
 
-    def _fake_backward(self, grads: list[Any], handle: Any, *args: Any) -> list[torch.Tensor]:
+    def _fake_backward(self, grads: list[Any], handle: Any, outputs: Any, *args: Any) -> list[torch.Tensor]:
         tensors, cu_seqlens, _, _ = self._split(args)
         return [torch.empty_like(t) if t is not None else _no_grad(cu_seqlens) for t in tensors]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -238,3 +239,65 @@ def test_a_checkpointed_opaque_node_keeps_nothing_and_its_recompute_serves_the_b
     expected = kit.forward_backward("conv", kit.public_op("conv"), case, _static(boundaries))
     for name in got:
         kit.assert_close(got[name], expected[name], name, tol=0.0)
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """Identity that saves its output for the backward, as flash-attn does: a gradient that is wrong if that
+    memory is overwritten after the forward."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        out = y.clone()
+        ctx.save_for_backward(out)
+        ctx.copy = out.detach().clone()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (saved,) = ctx.saved_tensors
+        return grad * (1 + (saved - ctx.copy))
+
+
+def test_a_compiled_consumer_cannot_overwrite_what_the_kept_graph_holds() -> None:
+    """Inductor computes a pointwise consumer of the node's output in place into that output's memory once the
+    output is dead. The node keeps its outputs alive for its backward, so a kernel that saved its output still
+    finds it intact: exact gradients, and no second forward."""
+    calls: list[str] = []
+    reference = reference_of("conv").fn
+    kernel = _counting(lambda *args, **kwargs: _SavesItsOutput.apply(reference(*args, **kwargs)), calls)
+    backends.register("conv", "planted", kernel, priority=100, devices=("cpu",), dtypes=(torch.float64,))
+    try:
+        boundaries = LAYOUTS["padding_and_unused_slots"].boundaries()
+        case = kit.op_inputs("conv", SIGNATURES["conv"], boundaries)
+        planted = functools.partial(kit.public_op("conv"), backend="planted")
+        kit.run("conv", planted, case, boundaries)  # its self-check
+
+        def block(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return planted(*args, **kwargs) * 3.0 + 1.0
+
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True)
+        got, expected = ({"output": case.call(fn, _static(boundaries))} for fn in (compiled, block))
+        calls.clear()
+        got = got | kit.gradients(_loss(got), case.arguments)
+        assert len(calls) == 0, "the compiled backward ran the kernel's forward again"
+        expected = expected | kit.gradients(_loss(expected), case.arguments)
+    finally:
+        backends.unregister("conv", "planted")
+    for name, value in expected.items():
+        kit.assert_close(got[name], value, name, tol=0.0)
+
+
+def test_a_backward_handed_other_memory_runs_the_forward_again() -> None:
+    """The kept graph serves only the very inputs it was made from: a backward handed copies (an input the compiler
+    recomputed for the backward) runs the forward again on them."""
+    outputs, case, _ = _opaque_conv(requires_grad=True)
+    node = route_of("conv").opaque
+    handle = library._new_handle()
+    leaves = [case.arguments[name.rstrip("?")] for name in node.tensors]
+    library._graphs[handle.untyped_storage().data_ptr()] = (object(), leaves, [outputs["output"]])
+    copies = [None if t is None else t.detach().clone() for t in leaves]
+    assert library._take(handle, copies, [outputs["output"]]) is None
+    assert handle.untyped_storage().data_ptr() not in library._graphs, "taken, not served"
+    library._graphs[handle.untyped_storage().data_ptr()] = (object(), leaves, [outputs["output"]])
+    assert library._take(handle, leaves, [outputs["output"].detach()]) is not None
