@@ -21,9 +21,11 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'hybr
 
 from datasets import Dataset  # noqa: E402
 
+from hybrid_pack.integrations import trl_grpo  # noqa: E402
 from hybrid_pack.integrations.transformers import is_patched  # noqa: E402
 from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from hybrid_pack.integrations.trl import PackedRLOOTrainer  # noqa: E402
+from hybrid_pack.integrations.trl_grpo import _real_lengths as real_lengths  # noqa: E402
 from hybrid_pack.schema import CU_SEQ_LENS_Q, INPUT_IDS  # noqa: E402
 from tests.support.torch_path import pure_torch_transformers  # noqa: E402
 
@@ -74,9 +76,12 @@ def _train(trainer_class: type, tmp_path: Path, **extra: Any) -> tuple[Any, list
     return trainer, results, forwards
 
 
-def test_one_step_equals_trl(tmp_path: Path) -> None:
+def test_one_step_equals_trl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, expected, _ = _train(trl.RLOOTrainer, tmp_path)
+    mask_reads: list[int] = []
+    monkeypatch.setattr(trl_grpo, "_real_lengths", lambda *args: mask_reads.append(1) or real_lengths(*args))
     packed, got, forwards = _train(PackedRLOOTrainer, tmp_path, packing_capacity=16)
+    assert mask_reads == [], "a log-probability call read the attention mask (the lengths come with the batch)"
     assert is_patched(packed.model) and not is_patched(reference.model)
     want_log, got_log = reference.state.log_history[0], packed.state.log_history[0]
     assert want_log["completions/mean_length"] == got_log["completions/mean_length"]    # the same generations
