@@ -68,7 +68,7 @@ def _recording() -> Any:
 
 
 def _new_handle() -> torch.Tensor:
-    return torch.empty(1, dtype=torch.uint8)
+    return torch.empty(1, dtype=torch.uint8, device="cpu")  # on the host whatever the default device
 
 
 def _keep(leaves: list[torch.Tensor | None], outputs: list[torch.Tensor]) -> torch.Tensor:
