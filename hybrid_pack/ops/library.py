@@ -193,9 +193,9 @@ class PackedCustomOp:
         ctx.options, ctx.backend = options, backend
 
     def _autograd_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None], _: Any) -> tuple[Any, ...]:
-        n = len(self.tensors)
-        saved = ctx.saved_tensors
-        tensors, cu_seqlens, handle, outputs = saved[:n], saved[n], saved[n + 1], list(saved[n + 2:])
+        saved, count = ctx.saved_tensors, len(self.tensors)
+        tensors, cu_seqlens, handle = saved[:count], saved[count], saved[count + 1]
+        outputs = list(saved[count + 2:])
         op = getattr(getattr(torch.ops.hybrid_pack, f"{self.name}_backward"), self.overload)
         out = op(list(grads), handle, outputs, *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names),
                  ctx.backend)
@@ -210,10 +210,10 @@ class PackedCustomOp:
         with torch.enable_grad(), _recording():
             if kept is None:
                 leaves = [_leaf(t, True) for t in tensors]
-                outputs = self._run(leaves, cu_seqlens, options, backend)
+                recorded = self._run(leaves, cu_seqlens, options, backend)
             else:
-                leaves, outputs = kept
-            pairs = [(o, g) for o, g in zip(outputs, grads, strict=False) if g is not None and o.requires_grad]
+                leaves, recorded = kept
+            pairs = [(o, g) for o, g in zip(recorded, grads, strict=False) if g is not None and o.requires_grad]
             wrt = [t for t in leaves if t is not None and t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], materialize_grads=True)
                        if pairs and wrt else map(torch.zeros_like, wrt))
