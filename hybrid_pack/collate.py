@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.boundaries.host import StaticHostBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.multimodal import MULTIMODAL_KEYS, PositionIdsFn, pack_vision_inputs
@@ -118,8 +119,9 @@ class PackingCollator:
     - ``host_boundaries``: a :class:`~hybrid_pack.boundaries.host.HostBoundaries`, the segment lengths as Python
       ints (no tensor, no ``.to``: ``transformers.Trainer``, accelerate and TRL pass it to the model untouched), so
       that the model builds its boundaries without reading a tensor (docs/api.md §9b). It holds only for the
-      tensors it came with: drop it from a batch whose tokens or boundary keys you cut or edit. Not in the static
-      form (``max_documents``): a compiled graph reads shapes only.
+      tensors it came with: drop it from a batch whose tokens or boundary keys you cut or edit. In the static
+      form (``max_documents``) a :class:`~hybrid_pack.boundaries.host.StaticHostBoundaries` instead: the same
+      values as CPU tensors of fixed shapes (a compiled graph specialises on Python ints, not on tensor values).
 
     With ``return_flash_attn_kwargs=True, return_seq_idx=True`` transformers' ``DataCollatorWithFlattening``
     gives the same keys (``host_boundaries`` aside), values, dtypes and types for the same features, ``"pt"`` or
@@ -238,11 +240,11 @@ class PackingCollator:
             batch.update(pack_vision_inputs(docs, lengths, num_pad, input_ids, self.position_ids_fn))
         if num_pad:
             batch[NUM_PAD_TOKENS] = num_pad
-        if self.max_documents is not None:  # a compiled graph reads shapes only: no host entry (§9)
-            del batch[HOST_BOUNDARIES]
+        if self.max_documents is not None:  # a compiled graph reads shapes only: host tensors, not ints (§9)
             cu_seqlens = StaticBoundaries.from_boundaries(boundaries, self.max_documents).cu_seqlens
             batch.update({CU_SEQ_LENS_Q: cu_seqlens, CU_SEQ_LENS_K: cu_seqlens, MAX_LENGTH_Q: self.pack_length,
-                          MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(num_pad)})
+                          MAX_LENGTH_K: self.pack_length, NUM_PAD_TOKENS: torch.tensor(num_pad),
+                          HOST_BOUNDARIES: StaticHostBoundaries(cu_seqlens.clone(), torch.tensor(num_pad))})
         if not self.return_position_ids:
             del batch[POSITION_IDS]
         if return_tensors == "np":  # CPU tensors: .numpy() shares the buffer, no copy

@@ -36,8 +36,9 @@ MAX_LENGTH_Q = "max_length_q"
 MAX_LENGTH_K = "max_length_k"
 NUM_PAD_TOKENS = "num_pad_tokens"
 HOST_BOUNDARIES = "host_boundaries"
-"""The collator's segment lengths as Python ints (a ``HostBoundaries``, no tensor): with it the model builds its
-boundaries without reading a tensor (docs/api.md §9b). Only valid for the tensors it was collated with."""
+"""The collator's segment lengths on the host (a ``HostBoundaries`` of Python ints; in the static form a
+``StaticHostBoundaries`` of CPU tensors): with it the model builds its boundaries, and a kernel's compiled node its
+layout, without reading a device value (docs/api.md §9, §9b). Only valid for the tensors it was collated with."""
 
 # --- per-token extras (RL) ----------------------------------------------------------------------
 RESPONSE_MASK = "response_mask"
@@ -80,7 +81,7 @@ class PackedBatch(_PackedBatchKeys, total=False):
     """The dict :class:`~hybrid_pack.PackingCollator` returns; the optional keys are present when given."""
 
     num_pad_tokens: int           # tokens of the trailing padding segment (absent means 0; 0-d tensor if static)
-    host_boundaries: object       # HostBoundaries: the segment lengths as Python ints (absent in the static form)
+    host_boundaries: object       # HostBoundaries (Python ints); StaticHostBoundaries (CPU tensors) if static
     response_mask: torch.Tensor   # int64 [1, T]
     tool_mask: torch.Tensor       # int64 [1, T]
     advantages: torch.Tensor      # float32 [1, T]

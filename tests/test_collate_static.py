@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybrid_pack import PackedBoundaries, PackingCollator
+from hybrid_pack.boundaries.host import StaticHostBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, HOST_BOUNDARIES, NUM_PAD_TOKENS
 
@@ -25,7 +26,12 @@ def test_every_batch_has_the_same_shapes_and_python_values() -> None:
     for batch in batches:
         assert batch.keys() == first.keys()
         for key, value in batch.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, StaticHostBoundaries):   # host tensors: values change, shapes do not
+                value, first_value = (value.cu_seqlens, value.num_pad_tokens), (first[key].cu_seqlens,
+                                                                                first[key].num_pad_tokens)
+                assert [(t.shape, t.dtype, t.device) for t in value] == [(t.shape, t.dtype, t.device)
+                                                                        for t in first_value], key
+            elif isinstance(value, torch.Tensor):
                 assert (value.shape, value.dtype) == (first[key].shape, first[key].dtype), key
             else:
                 assert value == first[key], f"{key}: a Python value that changes between batches"
@@ -44,16 +50,21 @@ def test_static_batch_reads_back_as_the_same_documents(lengths: tuple[int, ...])
     used = len(plain[CU_SEQ_LENS_Q])
     assert cu_seqlens[:used] == plain[CU_SEQ_LENS_Q].tolist()
     assert cu_seqlens[used:] == [PACK_LENGTH] * (len(cu_seqlens) - used), "unused slots repeat L, at the end"
-    assert HOST_BOUNDARIES not in static   # §9: a compiled graph reads shapes only
+    host = static[HOST_BOUNDARIES]   # §9, §9b: the same values on the host, as tensors (a graph input, no constant)
+    assert isinstance(host, StaticHostBoundaries) and host.cu_seqlens is not static[CU_SEQ_LENS_Q]
+    assert host.cu_seqlens.tolist() == cu_seqlens and int(host.num_pad_tokens) == int(static[NUM_PAD_TOKENS])
+    assert host.lengths() == plain[HOST_BOUNDARIES]
     for key in plain.keys() - {CU_SEQ_LENS_Q, CU_SEQ_LENS_K, "max_length_q", "max_length_k", NUM_PAD_TOKENS,
                                HOST_BOUNDARIES}:
         assert torch.equal(static[key], plain[key]), key
     assert int(static[NUM_PAD_TOKENS]) == plain.get(NUM_PAD_TOKENS, 0)
-    read, expected = PackedBoundaries.from_batch(static), PackedBoundaries.from_batch(plain)
-    assert (read.segment_lengths, read.num_pad_tokens, read.max_seqlen) == (
-        expected.segment_lengths, expected.num_pad_tokens, expected.max_seqlen)
-    assert all(torch.equal(getattr(read, name), getattr(expected, name))
-               for name in ("cu_seqlens", "seq_idx", "position_ids"))
+    without_host = {key: value for key, value in static.items() if key != HOST_BOUNDARIES}
+    expected = PackedBoundaries.from_batch(plain)
+    for read in (PackedBoundaries.from_batch(static), PackedBoundaries.from_batch(without_host)):
+        assert (read.segment_lengths, read.num_pad_tokens, read.max_seqlen) == (
+            expected.segment_lengths, expected.num_pad_tokens, expected.max_seqlen)
+        assert all(torch.equal(getattr(read, name), getattr(expected, name))
+                   for name in ("cu_seqlens", "seq_idx", "position_ids"))
 
 
 def test_too_many_documents_raise_naming_max_documents() -> None:

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import hybrid_pack
-from hybrid_pack import PackingCollator
+from hybrid_pack import PackingCollator, backends
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.boundaries.host import HostBoundaries
+from hybrid_pack.boundaries.host import HostBoundaries, StaticHostBoundaries
 from hybrid_pack.errors import BoundaryError
 from hybrid_pack.schema import HOST_BOUNDARIES, INPUT_IDS, LABELS, POSITION_IDS, SEQ_IDX
 
@@ -60,18 +60,28 @@ LENGTHS = (5, 23, 1, 9, 3)   # a one-token document, one longer than the tiny mo
 VOCAB = 64
 
 
+def _storage(value: Any) -> int | None:
+    try:
+        return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
+    except RuntimeError:   # a tensor without storage
+        return None
+
+
 @contextlib.contextmanager
-def host_reads() -> Iterator[list[str]]:
-    """Inside: every read of a tensor value made from a hybrid_pack frame, as ``"method file:line"``."""
+def host_reads(host: StaticHostBoundaries | None = None) -> Iterator[list[str]]:
+    """Inside: every read of a tensor value made from a hybrid_pack frame, as ``"method file:line"``; a read of the
+    tensors of ``host`` (a static batch's host entry, which never leaves the host) as ``"host method file:line"``."""
     reads: list[str] = []
     originals = [(owner, name, getattr(owner, name), name in vars(owner))
                  for owner, names in ((torch.Tensor, READS), (torch, TORCH_READS)) for name in names]
+    on_host = {_storage(t) for t in (host.cu_seqlens, host.num_pad_tokens)} if host is not None else set()
 
     def counting(name: str, original: Any, method: bool) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1).f_code.co_filename
             if caller.startswith(PACKAGE) and _is_read(name, args[1:], kwargs):
-                reads.append(f"{name} {caller[len(PACKAGE):]}:{sys._getframe(1).f_lineno}")
+                where = "host " if args and _storage(args[0]) in on_host else ""
+                reads.append(f"{where}{name} {caller[len(PACKAGE):]}:{sys._getframe(1).f_lineno}")
             return original(*args, **kwargs)
         return counted
 
@@ -160,7 +170,11 @@ def test_collator_hands_over_its_host_boundaries_and_the_movers_keep_them() -> N
     assert built.segment_lengths == read.segment_lengths and built.max_seqlen == read.max_seqlen
     assert built.cu_seqlens is batch["cu_seq_lens_q"] and built.seq_idx is batch[SEQ_IDX]   # the batch's tensors
     static = PackingCollator(pack_length=64, max_documents=8)([{INPUT_IDS: [1, 2, 3]}])
-    assert HOST_BOUNDARIES not in static   # §9: a compiled graph reads shapes only
+    host = static[HOST_BOUNDARIES]   # §9: host tensors (a compiled graph's inputs), not Python ints (its constants)
+    assert isinstance(host, StaticHostBoundaries) and not hasattr(host, "to") and not hasattr(host, "pin_memory")
+    moved = send_to_device(static, torch.device("meta"))
+    assert moved[HOST_BOUNDARIES] is host and moved["cu_seq_lens_q"].is_meta and host.cu_seqlens.device.type == "cpu"
+    assert torch.utils.data._utils.pin_memory.pin_memory({HOST_BOUNDARIES: host})[HOST_BOUNDARIES] is host
 
 
 def test_a_cut_batch_with_its_host_entry_raises_and_without_it_is_read() -> None:
@@ -211,6 +225,79 @@ def test_native_model_step_reads_nothing(preset: str) -> None:
     torch.manual_seed(0)
     model = from_preset(preset, vocab_size=VOCAB)
     _assert_step_reads_nothing(model, send_to_device(_batch(), torch.device("cpu")))
+
+
+# ------------------------------------------------------------------------------------------ static steps (§9)
+def _static_batch(lengths: tuple[int, ...] = LENGTHS) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    features = [{INPUT_IDS: torch.randint(0, VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+    return PackingCollator(pack_length=48, max_documents=8)(features)
+
+
+def _counting(fn: Any, calls: list[int]) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return counted
+
+
+def _static_model(kind: str) -> tuple[torch.nn.Module, bool]:
+    """The model, and whether its compiled graph is whole (a patched model's graph breaks are transformers')."""
+    torch.manual_seed(0)
+    if kind == "native":
+        from hybrid_pack.modeling import from_preset
+
+        return from_preset("qwen3-next-tiny", vocab_size=VOCAB), True
+    pytest.importorskip("transformers")
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return patch_model(tiny_model("qwen3_5")), False
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["native", "patched"])
+def test_static_step_reads_only_the_host_entry(kind: str, compiled: bool) -> None:
+    """A static batch (§9) carries its boundaries on the host as tensors: an eager step builds its boundaries from
+    them, and in a compiled step a kernel's opaque node (here a planted CPU conv with no static form) reads its
+    lengths there, not from the batch's ``cu_seq_lens_q`` (which a real run has on the device). Without the host
+    entry the same step reads the boundary tensors, and gives the same loss and gradients."""
+    from hybrid_pack.ops.dispatch.registry import reference_of
+
+    model, whole = _static_model(kind)
+    call = torch.compile(model, fullgraph=whole, backend="aot_eager") if compiled else model
+    warm_up, batch = _static_batch(), _static_batch((9, 1, 30))   # a new layout: nothing kept from the warm-up
+
+    def without() -> dict[str, Any]:
+        return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()
+                if key != HOST_BOUNDARIES}
+
+    calls: list[int] = []
+    backends.register("conv", "planted", _counting(reference_of("conv").fn, calls), priority=100,
+                      devices=("cpu",), dtypes=(torch.float32,))
+    try:
+        _step(model, warm_up)   # settles the planted kernel's verdict (a single eager process's first call)
+        _step(call, warm_up)
+        with host_reads(batch[HOST_BOUNDARIES]) as reads:
+            before = len(calls)
+            loss, grads = _step(call, batch)
+            ran = len(calls) - before
+        _step(call, without())
+        with host_reads() as fallback:
+            expected_loss, expected_grads = _step(call, without())
+    finally:
+        backends.unregister("conv", "planted")
+    assert ran >= 1, "the planted kernel served the step"
+    assert [read for read in reads if not read.startswith("host ")] == [], reads
+    assert reads, "the step read its lengths from the host entry"
+    assert fallback and all(read.split()[1].startswith(("boundaries/packed.py", "ops/library.py"))
+                            for read in fallback), fallback
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    assert grads.keys() == expected_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=0, msg=name)
 
 
 # ------------------------------------------------------------------------------------------ TRL's log-probabilities

@@ -1,4 +1,4 @@
-"""HostBoundaries: a packed row's segment lengths as Python ints, handed over with the batch (docs/api.md §9b).
+"""A packed row's segment lengths on the host, handed over with the batch (docs/api.md §9, §9b).
 
 The collator knows every segment's length on the host. It puts them in the batch under ``host_boundaries``
 so that a model whose tensors are on an accelerator builds its :class:`~hybrid_pack.PackedBoundaries` from
@@ -10,16 +10,23 @@ through as it is.
 It describes the tensors it was collated with, and only those: a batch whose tokens or boundary keys are
 sliced, concatenated or edited must drop it (``batch.pop("host_boundaries")``), and the boundaries are then
 read from the tensors. The shapes are checked against it (never the values).
+
+The static form (docs/api.md §9) carries a :class:`StaticHostBoundaries` instead: the same row as host (CPU)
+tensors of fixed shapes, which a compiled graph takes as inputs (Python ints would be constants of the graph, one
+recompile per layout) and the ops read there, never on the device.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+
+import torch
 
 from hybrid_pack.errors import BoundaryError
 from hybrid_pack.schema import HOST_BOUNDARIES
 
-__all__ = ["HostBoundaries"]
+__all__ = ["HostBoundaries", "StaticHostBoundaries"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +66,37 @@ class HostBoundaries:
     def num_segments(self) -> int:
         """Documents plus the padding segment if any (``cu_seq_lens_q`` has one entry more)."""
         return len(self.segment_lengths)
+
+
+class StaticHostBoundaries:
+    """The host entry of a static batch: its boundaries as CPU tensors of the batch's static shapes.
+
+    Attributes:
+        cu_seqlens: int32 CPU ``[M + 2]``: the values of the batch's ``cu_seq_lens_q`` (unused slots repeat ``T``).
+        num_pad_tokens: int64 CPU 0-d: the batch's ``num_pad_tokens``.
+
+    Like :class:`HostBoundaries` it has no ``.to`` (the movers pass it through, the tensors stay on the host).
+    """
+
+    __slots__ = ("cu_seqlens", "num_pad_tokens")
+
+    def __init__(self, cu_seqlens: torch.Tensor, num_pad_tokens: torch.Tensor) -> None:
+        for name, tensor, dtype, ndim in (("cu_seqlens", cu_seqlens, torch.int32, 1),
+                                          ("num_pad_tokens", num_pad_tokens, torch.int64, 0)):
+            if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.dtype != dtype
+                    or tensor.dim() != ndim):
+                raise BoundaryError(f"{HOST_BOUNDARIES}.{name}: expected a {dtype} CPU tensor of {ndim} dims (as "
+                                    f"PackingCollator(pack_length=..., max_documents=...) builds it); got "
+                                    f"{getattr(tensor, 'dtype', type(tensor).__name__)} on "
+                                    f"{getattr(tensor, 'device', '-')}")
+        self.cu_seqlens = cu_seqlens
+        self.num_pad_tokens = num_pad_tokens
+
+    def lengths(self) -> HostBoundaries:
+        """The row's segments as Python ints, the unused slots left out (reads these host tensors only)."""
+        cu = self.cu_seqlens.tolist()
+        used = cu.index(cu[-1]) if len(cu) > 1 and cu[-1] > 0 else len(cu) - 1
+        return HostBoundaries(tuple(b - a for a, b in itertools.pairwise(cu[:used + 1])), int(self.num_pad_tokens))
+
+    def __repr__(self) -> str:
+        return f"StaticHostBoundaries(slots={self.cu_seqlens.shape[0] - 1})"

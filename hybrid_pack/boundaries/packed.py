@@ -20,7 +20,7 @@ import torch
 from hybrid_pack.boundaries.arrays import boundary_arrays
 from hybrid_pack.boundaries.buckets import BucketLayout, build_bucket_layout
 from hybrid_pack.boundaries.chunks import ChunkLayout, build_chunk_layout, build_kernel_chunk_index
-from hybrid_pack.boundaries.host import HostBoundaries
+from hybrid_pack.boundaries.host import HostBoundaries, StaticHostBoundaries
 from hybrid_pack.errors import BoundaryError
 from hybrid_pack.schema import (
     CU_SEQ_LENS_K,
@@ -275,9 +275,10 @@ class PackedBoundaries:
     def from_batch(cls, batch: Mapping[str, Any]) -> PackedBoundaries:
         """From a :class:`~hybrid_pack.PackingCollator` output (or any dict with the same keys).
 
-        With ``host_boundaries`` (the collator's :class:`~hybrid_pack.boundaries.host.HostBoundaries`) no tensor
-        value is read, wherever the tensors are (docs/api.md §9b): the segment lengths are the host entry's and
-        ``cu_seq_lens_q``, ``seq_idx`` and ``position_ids`` are the batch's tensors as they are (built on their
+        With ``host_boundaries`` (the collator's :class:`~hybrid_pack.boundaries.host.HostBoundaries`, or a static
+        batch's :class:`~hybrid_pack.boundaries.host.StaticHostBoundaries`) no device value is read (docs/api.md
+        §9b): the segment lengths are the host entry's and ``cu_seq_lens_q`` (its used slots), ``seq_idx`` and
+        ``position_ids`` are the batch's tensors as they are (built on their
         device from the lengths when absent, or when ``position_ids`` are 3-D); only shapes and the Python ints
         ``max_length_q/k``, ``num_pad_tokens`` and ``input_ids``' length are checked against it.
 
@@ -290,8 +291,13 @@ class PackedBoundaries:
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         NumPy arrays (``return_tensors="np"``) are read like CPU tensors.
         """
-        if batch.get(HOST_BOUNDARIES) is not None:
-            return cls._from_host(batch[HOST_BOUNDARIES], batch)
+        host = batch.get(HOST_BOUNDARIES)
+        if isinstance(host, StaticHostBoundaries):   # a static batch's: its used slots
+            host = host.lengths()
+            batch = {**batch, **{key: batch[key][:host.num_segments + 1] for key in (CU_SEQ_LENS_Q, CU_SEQ_LENS_K)
+                                 if batch.get(key) is not None}}
+        if host is not None:
+            return cls._from_host(host, batch)
         num_pad = int(batch.get(NUM_PAD_TOKENS, 0) or 0)
         if getattr(batch.get(POSITION_IDS), "ndim", 2) == 3:   # M-RoPE ids [3, 1, T] (§3b): not boundaries
             if batch.get(CU_SEQ_LENS_Q) is None and batch.get(SEQ_IDX) is None:
@@ -351,10 +357,10 @@ class PackedBoundaries:
                                     f"{HOST_BOUNDARIES!r} describes); got {list(value.shape)}. {HOST_BOUNDARIES} "
                                     f"holds only for the tensors it was collated with: drop it from a batch whose "
                                     f"tokens or boundary keys were cut or edited")
-        for key, value in ((MAX_LENGTH_Q, host.max_seqlen), (MAX_LENGTH_K, host.max_seqlen),
-                           (NUM_PAD_TOKENS, host.num_pad_tokens)):
-            given = batch.get(key)
-            if isinstance(given, int) and given != value:
+        for key, values in ((MAX_LENGTH_Q, (host.max_seqlen, t)), (MAX_LENGTH_K, (host.max_seqlen, t)),
+                            (NUM_PAD_TOKENS, (host.num_pad_tokens,))):
+            given, value = batch.get(key), values[0]
+            if isinstance(given, int) and given not in values:   # max_length_q/k are T in a static batch
                 raise BoundaryError(f"{key}: expected {value} (from {HOST_BOUNDARIES!r}); got {given}. Drop "
                                     f"{HOST_BOUNDARIES} from a batch whose boundary keys were edited")
         cu_seqlens, seq_idx, position_ids = (tensors.get(key) for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS))

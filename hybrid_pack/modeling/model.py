@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.boundaries.host import HostBoundaries
+from hybrid_pack.boundaries.host import HostBoundaries, StaticHostBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.boundaries.targets import shift_labels as shifted_targets
@@ -210,7 +210,7 @@ class HybridForCausalLM(nn.Module):
                 cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
                 max_length_q: int | None = None, max_length_k: int | None = None,
                 num_pad_tokens: int | None = None, inputs_embeds: torch.Tensor | None = None, *,
-                host_boundaries: HostBoundaries | None = None,
+                host_boundaries: HostBoundaries | StaticHostBoundaries | None = None,
                 boundaries: PackedBoundaries | ShardedBoundaries | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None,
@@ -225,9 +225,10 @@ class HybridForCausalLM(nn.Module):
                 (through the logits when the head is not a plain bias-free ``nn.Linear``).
             position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, num_pad_tokens:
                 the collator's boundary keys; any subset that agrees is fine.
-            host_boundaries: the collator's segment lengths as Python ints: with it the boundaries are built from
-                them and the boundary tensors as they are, reading no tensor value (docs/api.md §9b); without it
-                they are read from the tensors (a device-to-host copy when those are on an accelerator).
+            host_boundaries: the collator's segment lengths on the host (in the static form, host tensors): with
+                it the boundaries are built from them and the boundary tensors as they are, reading no device value
+                (docs/api.md §9b); without it they are read from the tensors (a device-to-host copy when those are
+                on an accelerator).
             inputs_embeds: ``[1, T, hidden]`` instead of ``input_ids`` (e.g. to take gradients w.r.t. them).
             boundaries: a ready :class:`~hybrid_pack.PackedBoundaries` instead of the keys (a
                 :class:`~hybrid_pack.parallel.ShardedBoundaries`: this rank's part of a context-parallel row).

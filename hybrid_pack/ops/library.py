@@ -1,10 +1,11 @@
 """The ops as ``torch.library`` custom ops ``hybrid_pack::<op>``: how a compiled graph calls a backend with no static
-form (docs/compile.md). The real implementation reads ``cu_seqlens`` on the host (refused in a CUDA graph capture);
-the fake gives the output shapes. With gradients, the forward keeps the eager backend's autograd graph for its backward
-(the backward runs no second forward, as in eager) behind a one-byte host *handle* output, kept while the handle lives;
-the outputs are saved for the backward, which runs the kept graph only on the very memory it holds. A backward that
-finds no graph (a second backward of one forward) or other memory (an input a compiler recomputed) runs the forward
-again. States are per slot ``[S, ...]``."""
+form (docs/compile.md). The real implementation reads the lengths on the host: from ``host_cu_seqlens``, the batch's
+host copy, when given, else from ``cu_seqlens`` (a device-to-host copy on an accelerator); refused in a CUDA graph
+capture. The fake gives the output shapes. With gradients, the forward keeps the eager backend's autograd graph for
+its backward (the backward runs no second forward, as in eager) behind a one-byte host *handle* output, kept while
+the handle lives; the outputs are saved for the backward, which runs the kept graph only on the very memory it holds.
+A backward that finds no graph (a second backward of one forward) or other memory (an input a compiler recomputed)
+runs the forward again. States are per slot ``[S, ...]``."""
 
 from __future__ import annotations
 
@@ -35,16 +36,19 @@ def like_first_input(tensors: Sequence[torch.Tensor | None], num_segments: int, 
     return [tensors[0].new_empty(tensors[0].shape)]
 
 
-def _packed_boundaries(op: str, cu_seqlens: torch.Tensor) -> PackedBoundaries:
-    """The eager boundaries of a static ``cu_seqlens`` (zero-length tail left out), kept for the next call."""
+def _packed_boundaries(op: str, cu_seqlens: torch.Tensor, host_cu_seqlens: torch.Tensor | None = None
+                       ) -> PackedBoundaries:
+    """The eager boundaries, on ``cu_seqlens``' device, of a static ``cu_seqlens`` (zero-length tail left out),
+    read from its host copy ``host_cu_seqlens`` when given; kept for the next call."""
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         raise InputError(f"hybrid_pack::{op}: cannot be captured in a CUDA graph: it reads the documents' lengths "
                          "on the host to build the kernel's layout; compile without mode='reduce-overhead'")
+    source = cu_seqlens if host_cu_seqlens is None else host_cu_seqlens
     cached = getattr(_last, "entry", None)
-    if cached is not None and cached[0] is cu_seqlens and cached[1] == cu_seqlens._version:
-        return cached[2]
-    boundaries = PackedBoundaries.from_cu_seqlens(cu_seqlens, static=True)
-    _last.entry = (cu_seqlens, cu_seqlens._version, boundaries)  # holds the tensor: its id cannot be reused
+    if cached is not None and cached[0] is source and cached[1] == source._version and cached[2] is cu_seqlens:
+        return cached[3]
+    boundaries = PackedBoundaries.from_cu_seqlens(source, static=True).to(cu_seqlens.device)
+    _last.entry = (source, source._version, cu_seqlens, boundaries)  # holds the tensors: their ids cannot be reused
     return boundaries
 
 
@@ -121,7 +125,8 @@ class PackedCustomOp:
 
     def __post_init__(self) -> None:
         args = ", ".join(f"Tensor{'?' if t.endswith('?') else ''} {t.rstrip('?')}" for t in self.tensors)
-        common = ", ".join(part for part in (args, "Tensor cu_seqlens", self.options, "str? backend") if part)
+        common = ", ".join(part for part in (args, "Tensor cu_seqlens, Tensor? host_cu_seqlens", self.options,
+                                             "str? backend") if part)
         schemas = {self.name: f"({common}, bool requires_grad) -> (Tensor[], Tensor)",
                    f"{self.name}_backward": f"(Tensor?[] grads, Tensor handle, Tensor[] outputs, {common}) -> Tensor[]"}
         # The overload is named by this code and the schemas: torch's compile caches know an op by its name only,
@@ -141,24 +146,28 @@ class PackedCustomOp:
     def option_names(self) -> list[str]:
         return [item.split()[-1] for item in self.options.split(",") if item.strip()]
 
-    def __call__(self, arguments: Mapping[str, Any], cu_seqlens: torch.Tensor, *, backend: str | None,
-                 requires_grad: bool) -> list[torch.Tensor]:
+    def __call__(self, arguments: Mapping[str, Any], cu_seqlens: torch.Tensor, host_cu_seqlens: torch.Tensor | None,
+                 *, backend: str | None, requires_grad: bool) -> list[torch.Tensor]:
         """Run the op node on a call's ``arguments`` (by name; :attr:`tensors` and the options among them)."""
         op = getattr(getattr(torch.ops.hybrid_pack, self.name), self.overload)
-        outputs, _ = op(*(arguments[name.rstrip("?")] for name in self.tensors), cu_seqlens,
+        outputs, _ = op(*(arguments[name.rstrip("?")] for name in self.tensors), cu_seqlens, host_cu_seqlens,
                         *(arguments[name] for name in self.option_names), backend, requires_grad)
         return outputs
 
     # -- the parts of a call's arguments
-    def _split(self, args: Sequence[Any]) -> tuple[list[Any], torch.Tensor, dict[str, Any], str | None]:
+    def _split(self, args: Sequence[Any]) -> tuple[list[Any], tuple[torch.Tensor, torch.Tensor | None],
+                                                   dict[str, Any], str | None]:
+        """``(tensors, (cu_seqlens, host_cu_seqlens), options, backend)`` of a call's arguments."""
         n, names = len(self.tensors), self.option_names
-        return list(args[:n]), args[n], dict(zip(names, args[n + 1:n + 1 + len(names)])), args[n + 1 + len(names)]
+        return (list(args[:n]), (args[n], args[n + 1]), dict(zip(names, args[n + 2:n + 2 + len(names)])),
+                args[n + 2 + len(names)])
 
-    def _run(self, tensors: list[torch.Tensor | None], cu_seqlens: torch.Tensor, options: dict[str, Any],
-             backend: str | None) -> list[torch.Tensor]:
+    def _run(self, tensors: list[torch.Tensor | None], lengths: tuple[torch.Tensor, torch.Tensor | None],
+             options: dict[str, Any], backend: str | None) -> list[torch.Tensor]:
         """The eager op on the non-empty segments; its final state ``[n, ...]`` padded to all ``[S, ...]`` slots with
         the initial states (or zeros)."""
-        boundaries = _packed_boundaries(self.name, cu_seqlens)
+        cu_seqlens = lengths[0]
+        boundaries = _packed_boundaries(self.name, *lengths)
         given = list(tensors)
         initial = tensors[self.state_input] if self.state_input is not None else None
         if initial is not None:
@@ -174,30 +183,30 @@ class PackedCustomOp:
 
     # -- forward
     def _forward(self, *args: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-        tensors, cu_seqlens, options, backend = self._split(args[:-1])
+        tensors, lengths, options, backend = self._split(args[:-1])
         requires_grad = args[-1]
         # The same backend as the backward's recomputation: both select with requires_grad as given.
         leaves = [_leaf(t, requires_grad) for t in tensors]
         with torch.enable_grad() if requires_grad else torch.no_grad(), _recording():
-            outputs = self._run(leaves, cu_seqlens, options, backend)
+            outputs = self._run(leaves, lengths, options, backend)
         return [o.detach() for o in outputs], _keep(leaves, outputs) if requires_grad else _new_handle()
 
     def _fake_forward(self, *args: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-        tensors, cu_seqlens, options, _ = self._split(args[:-1])
+        tensors, (cu_seqlens, _), options, _ = self._split(args[:-1])
         return list(self.fake(tensors, cu_seqlens.shape[0] - 1, **options)), _new_handle()
 
     # -- backward
     def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        tensors, cu_seqlens, options, backend = self._split(inputs[:-1])
-        ctx.save_for_backward(*tensors, cu_seqlens, output[1], *output[0])  # outputs too: alive until the backward
+        tensors, lengths, options, backend = self._split(inputs[:-1])
+        ctx.save_for_backward(*tensors, *lengths, output[1], *output[0])  # outputs too: alive until the backward
         ctx.options, ctx.backend = options, backend
 
     def _autograd_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None], _: Any) -> tuple[Any, ...]:
         saved, count = ctx.saved_tensors, len(self.tensors)
-        tensors, cu_seqlens, handle = saved[:count], saved[count], saved[count + 1]
-        outputs = list(saved[count + 2:])
+        tensors, lengths, handle = saved[:count], saved[count:count + 2], saved[count + 2]
+        outputs = list(saved[count + 3:])
         op = getattr(getattr(torch.ops.hybrid_pack, f"{self.name}_backward"), self.overload)
-        out = op(list(grads), handle, outputs, *tensors, cu_seqlens, *(ctx.options[n] for n in self.option_names),
+        out = op(list(grads), handle, outputs, *tensors, *lengths, *(ctx.options[n] for n in self.option_names),
                  ctx.backend)
         input_grads = [g if needed and t is not None else None
                        for g, t, needed in zip(out, tensors, ctx.needs_input_grad, strict=False)]
@@ -205,21 +214,21 @@ class PackedCustomOp:
 
     def _backward(self, grads: list[torch.Tensor | None], handle: torch.Tensor, outputs: list[torch.Tensor],
                   *args: Any) -> list[torch.Tensor]:
-        tensors, cu_seqlens, options, backend = self._split(args)
+        tensors, lengths, options, backend = self._split(args)
         kept = _take(handle, tensors, outputs)
         with torch.enable_grad(), _recording():
             if kept is None:
                 leaves = [_leaf(t, True) for t in tensors]
-                recorded = self._run(leaves, cu_seqlens, options, backend)
+                recorded = self._run(leaves, lengths, options, backend)
             else:
                 leaves, recorded = kept
             pairs = [(o, g) for o, g in zip(recorded, grads, strict=False) if g is not None and o.requires_grad]
             wrt = [t for t in leaves if t is not None and t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], materialize_grads=True)
                        if pairs and wrt else map(torch.zeros_like, wrt))
-        return [_no_grad(cu_seqlens) if t is None else next(got) if t.requires_grad else torch.zeros_like(t)
+        return [_no_grad(lengths[0]) if t is None else next(got) if t.requires_grad else torch.zeros_like(t)
                 for t in leaves]
 
     def _fake_backward(self, grads: list[Any], handle: Any, outputs: Any, *args: Any) -> list[torch.Tensor]:
-        tensors, cu_seqlens, _, _ = self._split(args)
+        tensors, (cu_seqlens, _), _, _ = self._split(args)
         return [torch.empty_like(t) if t is not None else _no_grad(cu_seqlens) for t in tensors]

@@ -22,7 +22,7 @@ from torch import nn
 
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.parallel.fsdp import decoder_blocks
-from hybrid_pack.schema import BOUNDARIES, BOUNDARY_KEYS, PRIMARY_BOUNDARY_KEYS
+from hybrid_pack.schema import BOUNDARIES, BOUNDARY_KEYS, HOST_BOUNDARIES, PRIMARY_BOUNDARY_KEYS
 
 __all__ = ["compile_blocks", "static_boundaries_from_keys"]
 
@@ -58,5 +58,5 @@ def static_boundaries_from_keys(module: nn.Module, args: tuple[Any, ...], kwargs
     if kwargs.get(BOUNDARIES) is not None or any(kwargs.get(key) is None for key in PRIMARY_BOUNDARY_KEYS):
         return args, kwargs
     boundaries = StaticBoundaries.from_batch(kwargs)
-    kept = {key: value for key, value in kwargs.items() if key not in BOUNDARY_KEYS}
+    kept = {key: value for key, value in kwargs.items() if key not in (*BOUNDARY_KEYS, HOST_BOUNDARIES)}
     return args, {**kept, BOUNDARIES: boundaries}

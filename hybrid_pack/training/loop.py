@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 
 from hybrid_pack import backends
-from hybrid_pack.schema import BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from hybrid_pack.schema import (
+    BOUNDARIES,
+    HOST_BOUNDARIES,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    NUM_ITEMS_IN_BATCH,
+    SHIFT_LABELS,
+)
 from hybrid_pack.testing.guard import PackingGuard
 from hybrid_pack.training.config import TrainConfig
 from hybrid_pack.training.schedule import warmup_cosine
@@ -159,6 +167,8 @@ def _inputs(micro_batch: MicroBatch, device: torch.device, items: torch.Tensor) 
     boundaries = micro_batch.get(BOUNDARIES)
     inputs = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()
               if isinstance(value, torch.Tensor)}
+    if micro_batch.get(HOST_BOUNDARIES) is not None:  # a static row's lengths, kept on the host (§9b)
+        inputs[HOST_BOUNDARIES] = micro_batch[HOST_BOUNDARIES]
     inputs[BOUNDARIES] = boundaries.to(device) if boundaries is not None else None
     inputs[NUM_ITEMS_IN_BATCH] = items.to(device)
     return inputs

@@ -40,6 +40,7 @@ from hybrid_pack.parallel.shard import shard_batch
 from hybrid_pack.schema import (
     BOUNDARIES,
     CU_SEQ_LENS_Q,
+    HOST_BOUNDARIES,
     INPUT_IDS,
     LABELS,
     NUM_PAD_TOKENS,
@@ -409,7 +410,7 @@ class _PackedSteps:
         if self.collator.max_documents and self.context_parallel == 1:  # static: the boundary tensors (a compiled
             # graph reads no host values); under context parallelism a static row is sharded like any
             return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
-                    **{key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS)},
+                    **{key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS, HOST_BOUNDARIES)},
                     REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch[NUM_PAD_TOKENS])}
         if self.context_parallel == 1:
             return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS], BOUNDARIES: PackedBoundaries.from_batch(batch),

@@ -182,7 +182,8 @@ def _opaque_conv(requires_grad: bool) -> tuple[dict[str, torch.Tensor], kit.Chec
     case = kit.op_inputs("conv", SIGNATURES["conv"], boundaries)
     case = dataclasses.replace(case, arguments=case.leaves(case.floats() if requires_grad else ()))
     static = _static(boundaries)
-    outputs = route_of("conv").opaque(case.arguments, static.cu_seqlens, backend="torch", requires_grad=requires_grad)
+    outputs = route_of("conv").opaque(case.arguments, static.cu_seqlens, None, backend="torch",
+                                      requires_grad=requires_grad)
     return {"output": outputs[0]}, case, static
 
 

@@ -151,7 +151,8 @@ class OpRoute:
 
     def _opaque(self, arguments: Mapping[str, Any], boundaries: StaticBoundaries, *, backend: str,
                 requires_grad: bool) -> Any:
-        outputs = self.opaque(arguments, boundaries.cu_seqlens, backend=backend, requires_grad=requires_grad)
+        outputs = self.opaque(arguments, boundaries.cu_seqlens, boundaries.host_cu_seqlens, backend=backend,
+                              requires_grad=requires_grad)
         return self.from_opaque(outputs, arguments)
 
     def _invariant(self, arguments: Mapping[str, Any], boundaries: Any, backend: str | None,
