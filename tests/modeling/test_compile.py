@@ -85,3 +85,24 @@ def test_no_gradient_crosses_documents_compiled(models: tuple[torch.nn.Module, t
         (grad,) = torch.autograd.grad(loss, embeds)
         assert grad[0, inside].abs().sum() > 0
         assert torch.equal(grad[0, ~inside], torch.zeros_like(grad[0, ~inside])), f"document {doc} leaks"
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "bamba-tiny"])
+def test_a_second_pack_length_compiles_whole_with_dynamic_sizes(preset: str) -> None:
+    """A graph compiled for another pack length (or another model's sizes) before makes torch.compile trace the
+    next one with symbolic sizes (automatic dynamic shapes): the ops specialise what their backend's choice reads,
+    so it is one whole graph again (``fullgraph=True`` raises on a graph break), equal to eager."""
+    torch.manual_seed(0)
+    model = from_preset(preset)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for pack_length, lengths in ((PACK_LENGTH, (30, 34)), (48, (7, 20, 21))):
+        documents = _documents(lengths, seed=pack_length)
+        expected_loss, expected = _step(model, model, PackingCollator(pack_length=pack_length)(documents))
+        batch = PackingCollator(pack_length=pack_length, max_documents=MAX_DOCUMENTS)(documents)
+        loss, grads = _step(model, compiled, batch)
+        kit.assert_close(loss, expected_loss, f"loss {lengths}", tol=TOLERANCE)
+        for name, grad in grads.items():
+            kit.assert_close(grad, expected[name], f"d{name} {lengths}", tol=TOLERANCE)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["graph_break"])

@@ -6,6 +6,7 @@ is checked once per (device, signature, gradients) on inputs of that signature.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,8 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.isolation import least_precise
 
-__all__ = ["Signature", "CheckCase", "OpContract", "make_signature", "signature_text", "dtype_name", "random_tensor",
-           "projection_weights"]
+__all__ = ["Signature", "CheckCase", "OpContract", "make_signature", "specialised", "signature_text", "dtype_name",
+           "random_tensor", "projection_weights"]
 
 Signature = tuple[tuple[str, Any], ...]
 """Sorted ``(name, value)`` pairs: sizes, flags and input dtypes (values are ints, bools, strings, None)."""
@@ -27,9 +28,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def specialised(sizes: Sequence[Any]) -> tuple[Any, ...]:
+    """``sizes`` as Python ints: a size ``torch.compile`` made symbolic (automatic dynamic shapes, after a recompile
+    for another shape) is specialised, guarded, as the static form is (``operator.index``; ``int()`` keeps it
+    symbolic), so the backend's choice stays a graph constant."""
+    return tuple(operator.index(n) if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else n
+                 for n in sizes)  # (dynamo answers isinstance(size, torch.SymInt) with False while it traces)
+
+
 def make_signature(**items: Any) -> Signature:
-    """A signature from sizes, flags and dtypes (dtypes are stored by name)."""
-    return tuple(sorted((name, dtype_name(v) if isinstance(v, torch.dtype) else v) for name, v in items.items()))
+    """A signature from sizes, flags and dtypes (dtypes are stored by name; symbolic sizes specialised)."""
+    values = specialised(items.values())
+    return tuple(sorted((name, dtype_name(v) if isinstance(v, torch.dtype) else v) for name, v in zip(items, values)))
 
 
 def random_tensor(shape: tuple[int, ...], dtype: str | torch.dtype, device: torch.device,

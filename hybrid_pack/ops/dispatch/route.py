@@ -22,7 +22,7 @@ from hybrid_pack.ops.cp.eager import run_eagerly
 from hybrid_pack.ops.cp.relayout import on_contiguous
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import Signature, dtype_name
+from hybrid_pack.ops.dispatch.contract import Signature, dtype_name, specialised
 from hybrid_pack.ops.dispatch.registry import get_backend
 from hybrid_pack.ops.dispatch.selector import forced_context, recording_keys, resolve, resolve_invariant
 from hybrid_pack.ops.invariant import SEQUENCE_MIXING, inside_batch_invariant, is_batch_invariant, per_document
@@ -121,8 +121,8 @@ class OpRoute:
 
     def _traced(self, arguments: dict[str, Any], boundaries: Any, backend: str | None, requires_grad: bool) -> Any:
         first = arguments[self.positional[0]]
-        described = tuple((name, ("tensor", tuple(v.shape), dtype_name(v.dtype)) if isinstance(v, torch.Tensor)
-                           else v) for name, v in arguments.items())
+        described = tuple((name, ("tensor", specialised(v.shape), dtype_name(v.dtype))
+                           if isinstance(v, torch.Tensor) else v) for name, v in arguments.items())
         described += (("requires_grad", requires_grad),)
         static = boundaries is None or isinstance(boundaries, StaticBoundaries)  # an op without boundaries too
         name = _traced_choice(self.op, str(first.device), dtype_name(first.dtype), requires_grad, backend,
