@@ -8,7 +8,7 @@ import torch
 
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.boundaries.host import StaticHostBoundaries
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.schema import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, HOST_BOUNDARIES, NUM_PAD_TOKENS
 
 PACK_LENGTH, MAX_DOCUMENTS = 32, 5
@@ -65,6 +65,18 @@ def test_static_batch_reads_back_as_the_same_documents(lengths: tuple[int, ...])
             expected.segment_lengths, expected.num_pad_tokens, expected.max_seqlen)
         assert all(torch.equal(getattr(read, name), getattr(expected, name))
                    for name in ("cu_seqlens", "seq_idx", "position_ids"))
+
+
+def test_a_static_host_entry_of_other_slots_or_values_raises_naming_it() -> None:
+    batch = PackingCollator(pack_length=PACK_LENGTH, max_documents=MAX_DOCUMENTS)(_documents((10, 22)))
+    other = PackingCollator(pack_length=PACK_LENGTH, max_documents=1)(_documents((32,)))
+    with pytest.raises(BoundaryError, match=f"{CU_SEQ_LENS_Q}: expected shape \\[7\\].*{HOST_BOUNDARIES}"):
+        PackedBoundaries.from_batch({**other, HOST_BOUNDARIES: batch[HOST_BOUNDARIES]})
+    with pytest.raises(BoundaryError, match=f"{HOST_BOUNDARIES}.cu_seqlens: expected a .*CPU"):
+        StaticHostBoundaries(batch[CU_SEQ_LENS_Q].to(torch.int64), batch[HOST_BOUNDARIES].num_pad_tokens)
+    shifted = StaticHostBoundaries(batch[CU_SEQ_LENS_Q] + 1, batch[HOST_BOUNDARIES].num_pad_tokens)
+    with pytest.raises(BoundaryError, match=f"{HOST_BOUNDARIES}.cu_seqlens: expected \\[0, ..., T\\]"):
+        PackedBoundaries.from_batch({**batch, HOST_BOUNDARIES: shifted})
 
 
 def test_too_many_documents_raise_naming_max_documents() -> None:

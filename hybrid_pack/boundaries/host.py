@@ -95,7 +95,10 @@ class StaticHostBoundaries:
     def lengths(self) -> HostBoundaries:
         """The row's segments as Python ints, the unused slots left out (reads these host tensors only)."""
         cu = self.cu_seqlens.tolist()
-        used = cu.index(cu[-1]) if len(cu) > 1 and cu[-1] > 0 else len(cu) - 1
+        if len(cu) < 2 or cu[0] != 0:
+            raise BoundaryError(f"{HOST_BOUNDARIES}.cu_seqlens: expected [0, ..., T] (0 first, at least two entries); "
+                                f"got {cu[:8]}")
+        used = cu.index(cu[-1])
         return HostBoundaries(tuple(b - a for a, b in itertools.pairwise(cu[:used + 1])), int(self.num_pad_tokens))
 
     def __repr__(self) -> str:

@@ -292,7 +292,14 @@ class PackedBoundaries:
         NumPy arrays (``return_tensors="np"``) are read like CPU tensors.
         """
         host = batch.get(HOST_BOUNDARIES)
-        if isinstance(host, StaticHostBoundaries):   # a static batch's: its used slots
+        if isinstance(host, StaticHostBoundaries):   # a static batch's: checked by shape, then its used slots
+            slots = tuple(host.cu_seqlens.shape)
+            for key in (CU_SEQ_LENS_Q, CU_SEQ_LENS_K):
+                if batch.get(key) is not None and tuple(batch[key].shape) != slots:
+                    raise BoundaryError(f"{key}: expected shape {list(slots)} (the static slots {HOST_BOUNDARIES!r} "
+                                        f"describes); got {list(batch[key].shape)}. {HOST_BOUNDARIES} holds only for "
+                                        "the tensors it was collated with: drop it from a batch whose boundary keys "
+                                        "were edited")
             host = host.lengths()
             batch = {**batch, **{key: batch[key][:host.num_segments + 1] for key in (CU_SEQ_LENS_Q, CU_SEQ_LENS_K)
                                  if batch.get(key) is not None}}

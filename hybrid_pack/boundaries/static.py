@@ -3,7 +3,8 @@
 A :class:`~hybrid_pack.PackedBoundaries` carries host-side Python ints (every segment's length, the
 longest one) so eager kernels never synchronise; inside a ``torch.compile`` graph those ints would be
 data (a graph break, or a recompile per layout). :class:`StaticBoundaries` holds the same row as its
-three tensors only, and every Python value it exposes comes from a shape: ``T`` and the number of
+three tensors (and, optionally, a host copy of ``cu_seqlens``) only, and every Python value it exposes comes
+from a shape: ``T`` and the number of
 segment slots ``S``. With the static batches of ``PackingCollator(pack_length=L, max_documents=M)``
 those are ``L`` and ``M + 1`` for every batch, so one graph serves them all. The ops hand the tensors
 to their ``torch.library`` custom ops (:mod:`hybrid_pack.ops.library`), which read the real lengths

@@ -3,6 +3,7 @@ states are float32 (float64 for float64 inputs)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -123,6 +124,12 @@ def delta_rule_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
     return (h, k_dim, hv, v_dim, arguments["use_qk_l2norm"], arguments["output_final_state"], q.dtype,
             arguments["k"].dtype, v.dtype, arguments["g"].dtype, arguments["beta"].dtype,
             None if initial_state is None else initial_state.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    """``head_dim ** -0.5`` as a Python float: a size ``torch.compile`` made symbolic (automatic dynamic shapes,
+    after a model of other sizes) is specialised, so the backend's choice, which reads the scale, stays constant."""
+    return operator.index(head_dim) ** -0.5
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -87,22 +87,27 @@ def test_no_gradient_crosses_documents_compiled(models: tuple[torch.nn.Module, t
         assert torch.equal(grad[0, ~inside], torch.zeros_like(grad[0, ~inside])), f"document {doc} leaks"
 
 
-@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "bamba-tiny"])
-def test_a_second_pack_length_compiles_whole_with_dynamic_sizes(preset: str) -> None:
-    """A graph compiled for another pack length (or another model's sizes) before makes torch.compile trace the
-    next one with symbolic sizes (automatic dynamic shapes): the ops specialise what their backend's choice reads,
-    so it is one whole graph again (``fullgraph=True`` raises on a graph break), equal to eager."""
+@pytest.mark.parametrize("preset, other_sizes", [("qwen3-next-tiny", {"head_dim": 16, "gdn_head_k_dim": 16}),
+                                                 ("bamba-tiny", {"head_dim": 16, "mamba_head_dim": 32})])
+def test_another_pack_length_or_model_compiles_whole_with_dynamic_sizes(preset: str, other_sizes: dict) -> None:
+    """A graph compiled before for another pack length, or for a model of other sizes (the same forward code),
+    makes torch.compile trace the next one with symbolic sizes (automatic dynamic shapes): the ops specialise what
+    their backend's choice reads (sizes, the default scale), so each is one whole graph again (``fullgraph=True``
+    raises on a graph break), equal to eager."""
     torch.manual_seed(0)
-    model = from_preset(preset)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    for pack_length, lengths in ((PACK_LENGTH, (30, 34)), (48, (7, 20, 21))):
+    runs = [(from_preset(preset), PACK_LENGTH, (30, 34)), (None, 48, (7, 20, 21)),
+            (from_preset(preset, **other_sizes), 48, (9, 39))]
+    for model, pack_length, lengths in runs:
+        if model is not None:
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+            current = model
         documents = _documents(lengths, seed=pack_length)
-        expected_loss, expected = _step(model, model, PackingCollator(pack_length=pack_length)(documents))
+        expected_loss, expected = _step(current, current, PackingCollator(pack_length=pack_length)(documents))
         batch = PackingCollator(pack_length=pack_length, max_documents=MAX_DOCUMENTS)(documents)
-        loss, grads = _step(model, compiled, batch)
+        loss, grads = _step(current, compiled, batch)
         kit.assert_close(loss, expected_loss, f"loss {lengths}", tol=TOLERANCE)
         for name, grad in grads.items():
             kit.assert_close(grad, expected[name], f"d{name} {lengths}", tol=TOLERANCE)
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"], dict(counters["graph_break"])

@@ -114,6 +114,22 @@ def test_one_graph_for_every_layout(op: str) -> None:
                 kit.assert_close(got[name], value, f"{op} {name} ({layout.name})", tol=1e-10)
 
 
+@pytest.mark.parametrize("op, scale", [("attention", "softmax_scale"), ("conv", None), ("gated_delta", "scale"),
+                                       ("ssd", None)])
+def test_symbolic_sizes_compile_whole(op: str, scale: str | None) -> None:
+    """With every size symbolic (``dynamic=True``: what automatic dynamic shapes turn a second size into) the op
+    compiles whole, with its default scale (head dim ** -0.5, specialised) where it has one, equal to eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(kit.public_op(op), backend="aot_eager", fullgraph=True, dynamic=True)
+    boundaries = LAYOUTS["padding_and_unused_slots"].boundaries()
+    case = kit.op_inputs(op, SIGNATURES[op], boundaries)
+    case = dataclasses.replace(case, arguments={k: v for k, v in case.arguments.items() if k != scale})
+    expected = kit.forward_backward(op, kit.public_op(op), case, boundaries)
+    got = _forward_backward(op, compiled, case, boundaries)
+    for name, value in expected.items():
+        kit.assert_close(got[name], value, f"{op} {name}", tol=1e-10)
+
+
 def _counting(fn: kit.OpFn, calls: list[str]) -> kit.OpFn:
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(getattr(fn, "__qualname__", "op"))

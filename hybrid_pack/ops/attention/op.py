@@ -13,7 +13,7 @@ from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.cp import varlen_attention_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens
+from hybrid_pack.ops.validate import check_packed, check_shape, default_scale, needs_grad, packed_tokens
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,7 +50,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _check(q, k, v, boundaries)
     if window is not None:
         _check_window(window, causal)
-    scale = q_shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = default_scale(q_shape[-1]) if softmax_scale is None else float(softmax_scale)
     return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale, "window": window}, boundaries,
                  backend=backend, requires_grad=needs_grad(q, k, v))
 

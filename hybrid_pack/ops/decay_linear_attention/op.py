@@ -17,6 +17,7 @@ from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import (
     check_packed,
     check_shape,
+    default_scale,
     document_slots,
     needs_grad,
     packed_tokens,
@@ -69,7 +70,7 @@ def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         _check(q, k, v, g, initial_state, boundaries)
     if len(g_shape) == 1:  # one decay per head: the same at every token
         g = g.expand(1, q_shape[1], q_shape[2])
-    scale = q_shape[3] ** -0.5 if scale is None else float(scale)
+    scale = default_scale(q_shape[3]) if scale is None else float(scale)
     arguments = {"q": q, "k": k, "v": v, "g": g, "scale": scale, "initial_state": initial_state,
                  "output_final_state": output_final_state}
     return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, initial_state))

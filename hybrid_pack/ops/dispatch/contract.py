@@ -29,9 +29,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def specialised(sizes: Sequence[Any]) -> tuple[Any, ...]:
-    """``sizes`` as Python ints: a size ``torch.compile`` made symbolic (automatic dynamic shapes, after a recompile
-    for another shape) is specialised, guarded, as the static form is (``operator.index``; ``int()`` keeps it
-    symbolic), so the backend's choice stays a graph constant."""
+    """``sizes`` (and other values) with every int as a Python int: an int ``torch.compile`` made symbolic (automatic
+    dynamic shapes, after a recompile for another shape or value) is specialised, guarded, as the static form is
+    (``operator.index``; ``int()`` keeps it symbolic), so the backend's choice stays a graph constant."""
     return tuple(operator.index(n) if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else n
                  for n in sizes)  # (dynamo answers isinstance(size, torch.SymInt) with False while it traces)
 

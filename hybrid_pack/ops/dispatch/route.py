@@ -121,8 +121,8 @@ class OpRoute:
 
     def _traced(self, arguments: dict[str, Any], boundaries: Any, backend: str | None, requires_grad: bool) -> Any:
         first = arguments[self.positional[0]]
-        described = tuple((name, ("tensor", specialised(v.shape), dtype_name(v.dtype))
-                           if isinstance(v, torch.Tensor) else v) for name, v in arguments.items())
+        described = tuple((name, ("tensor", specialised(v.shape), dtype_name(v.dtype))) if isinstance(v, torch.Tensor)
+                          else (name, *specialised((v,))) for name, v in arguments.items())
         described += (("requires_grad", requires_grad),)
         static = boundaries is None or isinstance(boundaries, StaticBoundaries)  # an op without boundaries too
         name = _traced_choice(self.op, str(first.device), dtype_name(first.dtype), requires_grad, backend,

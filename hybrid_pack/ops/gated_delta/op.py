@@ -10,7 +10,7 @@ from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.gated_delta.check import OP, signature_of
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_delta_rule, delta_rule_key, needs_grad, state_dtype
+from hybrid_pack.ops.validate import check_delta_rule, default_scale, delta_rule_key, needs_grad, state_dtype
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -44,7 +44,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         ``(o [1, T, HV, V] in v's dtype, final_state or None)``.
     """
     check_delta_rule(q, k, v, g, beta, initial_state, boundaries, per_key_gate=False)
-    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    scale = default_scale(q.shape[3]) if scale is None else float(scale)
     arguments = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
                  "output_final_state": output_final_state, "use_qk_l2norm": use_qk_l2norm}
     return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, beta, initial_state))
