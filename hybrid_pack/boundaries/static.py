@@ -3,10 +3,10 @@
 A :class:`~hybrid_pack.PackedBoundaries` carries host-side Python ints (every segment's length, the
 longest one) so eager kernels never synchronise; inside a ``torch.compile`` graph those ints would be
 data (a graph break, or a recompile per layout). :class:`StaticBoundaries` holds the same row as its
-three tensors (and, optionally, a host copy of ``cu_seqlens``) only, and every Python value it exposes comes
-from a shape: ``T`` and the number of
-segment slots ``S``. With the static batches of ``PackingCollator(pack_length=L, max_documents=M)``
-those are ``L`` and ``M + 1`` for every batch, so one graph serves them all. The ops hand the tensors
+three tensors (and, optionally, a host copy of ``cu_seqlens``) only, and every Python value it exposes
+comes from a shape: ``T`` and the number of segment slots ``S``. With the static batches of
+``PackingCollator(pack_length=L, max_documents=M)`` those are ``L`` and ``M + 1`` for every batch, so one
+graph serves them all. The ops hand the tensors
 to their ``torch.library`` custom ops (:mod:`hybrid_pack.ops.library`), which read the real lengths
 outside the graph: from the batch's host copy of ``cu_seqlens`` when it carries one (the collator's
 static ``host_boundaries``), so nothing is read from the device (docs/api.md §9b).
@@ -72,9 +72,8 @@ class StaticBoundaries:
     @classmethod
     def from_batch(cls, batch: Mapping[str, Any]) -> StaticBoundaries:
         """From a collator batch's ``cu_seq_lens_q``, ``seq_idx``, ``position_ids`` and static ``host_boundaries``
-        (no value is read). 3-D
-        ``position_ids`` (a vision-language model's M-RoPE ids, §3b) are not the documents' positions: those are
-        computed from ``cu_seq_lens_q`` and ``seq_idx`` on the device."""
+        (no value is read). 3-D ``position_ids`` (a vision-language model's M-RoPE ids, §3b) are not the documents'
+        positions: those are computed from ``cu_seq_lens_q`` and ``seq_idx`` on the device."""
         missing = [key for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS) if batch.get(key) is None]
         if missing:
             raise BoundaryError(f"{missing[0]}: a compiled packed forward needs {CU_SEQ_LENS_Q}, {SEQ_IDX} and "

@@ -3,7 +3,6 @@ states are float32 (float64 for float64 inputs)."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
+from hybrid_pack.ops.dispatch.contract import specialised
 
 AnyBoundaries = PackedBoundaries | StaticBoundaries | ShardedBoundaries
 """What the public ops take: a whole row (eager or compiled), or one rank's slice of a row (docs/api.md §10)."""
@@ -129,7 +129,7 @@ def delta_rule_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
 def default_scale(head_dim: int) -> float:
     """``head_dim ** -0.5`` as a Python float: a size ``torch.compile`` made symbolic (automatic dynamic shapes,
     after a model of other sizes) is specialised, so the backend's choice, which reads the scale, stays constant."""
-    return operator.index(head_dim) ** -0.5
+    return specialised((head_dim,))[0] ** -0.5
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
