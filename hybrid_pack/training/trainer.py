@@ -407,8 +407,9 @@ class _PackedSteps:
                 yield micro
 
     def _micro_batch(self, batch: dict[str, Any]) -> MicroBatch:
-        if self.collator.max_documents and self.context_parallel == 1:  # static: the boundary tensors (a compiled
-            # graph reads no host values); under context parallelism a static row is sharded like any
+        if self.collator.max_documents and self.context_parallel == 1:  # static: the boundary tensors and their
+            # host copy (a compiled graph's inputs, no Python values); under context parallelism a static row is
+            # sharded like any
             return {INPUT_IDS: batch[INPUT_IDS], LABELS: batch[LABELS],
                     **{key: batch[key] for key in (CU_SEQ_LENS_Q, SEQ_IDX, POSITION_IDS, HOST_BOUNDARIES)},
                     REAL_TOKENS: batch[INPUT_IDS].shape[1] - int(batch[NUM_PAD_TOKENS])}
