@@ -18,7 +18,7 @@ import torch
 
 from hybrid_pack.errors import InputError, UnsupportedModelError
 
-__all__ = ["MRopePositions", "mrope_position_ids"]
+__all__ = ["MRopePositions", "mrope_position_ids", "numbers_with_mrope"]
 
 _REQUIRED_PARAMETERS = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "attention_mask")
 
@@ -92,6 +92,11 @@ def _rope_index_owner(model: Any) -> tuple[type, Any] | None:
             if "get_rope_index" in vars(cls):
                 return cls, candidate
     return None
+
+
+def numbers_with_mrope(model: Any) -> bool:
+    """Whether ``model`` (or its inner ``model.model``) numbers its tokens with M-RoPE (has ``get_rope_index``)."""
+    return _rope_index_owner(model) is not None
 
 
 def mrope_position_ids(model: Any) -> MRopePositions:

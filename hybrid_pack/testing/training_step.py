@@ -366,9 +366,12 @@ def _as_step(target: Any, batch: Mapping[str, Any] | None, model: torch.nn.Modul
         model = target.model if model is None else model
         batch = _first_batch(target) if batch is None else batch
         warm_up = getattr(target, "warm_up_backends", None)
-        if callable(warm_up):  # hybrid_pack's trainers: their backends' warm-up runs now, not inside a checked step
+        if callable(warm_up):  # hybrid_pack's trainers: their backends' warm-ups run now, not inside a checked step
             wrapped = getattr(target, "model_wrapped", None)
-            warm_up(target.model if wrapped is None else wrapped, target._prepare_inputs(dict(batch)))
+            prepared = target._prepare_inputs(dict(batch))
+            for grad in (True, False):  # the checked steps run with gradients and without
+                with torch.set_grad_enabled(grad):
+                    warm_up(target.model if wrapped is None else wrapped, prepared)
         return _trainer_step(target), dict(batch), model, f"{name}({type(model).__name__})"
     if isinstance(target, torch.nn.Module):
         model = target if model is None else model

@@ -91,6 +91,37 @@ def test_a_patched_model_sent_to_a_spawned_process_is_still_isolated() -> None:
     assert ok, report
 
 
+_LOADED = textwrap.dedent("""
+    import sys
+    from unittest import mock
+
+    import torch
+    from transformers import masking_utils
+
+    from hybrid_pack import PackingCollator
+
+    model = torch.load(sys.argv[1], weights_only=False)
+    batch = PackingCollator()([{"input_ids": torch.arange(3, 3 + n)} for n in (7, 13, 5)])
+    with mock.patch.object(masking_utils, "_preprocess_mask_arguments",
+                           wraps=masking_utils._preprocess_mask_arguments) as built, torch.no_grad():
+        model(**batch)
+        print("MASKS", built.call_count)
+""")
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_a_patched_model_loaded_in_a_fresh_process_builds_no_attention_mask(family: str, tmp_path: Path) -> None:
+    """``torch.save(model)`` loaded by another interpreter (as ``torch.multiprocessing.spawn`` hands a model over):
+    its packed calls build no ``[1, 1, T, T]`` mask there either (nor read ``position_ids`` on the host for it)."""
+    path = tmp_path / "model.pt"
+    torch.save(patch_model(_high_init(family)), path)
+    root = Path(__file__).parents[2]
+    result = subprocess.run([sys.executable, "-c", _LOADED, str(path)], capture_output=True, text=True, timeout=300,
+                            cwd=root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "MASKS 0" in result.stdout, result.stdout[-2000:]
+
+
 def _calls(seed: int) -> list[dict[str, torch.Tensor]]:
     """Packed rows and padded batches with an ``attention_mask``, alternating."""
     generator = torch.Generator().manual_seed(seed)

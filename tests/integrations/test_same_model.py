@@ -288,3 +288,14 @@ def test_attention_registered_after_patching_is_served_packed() -> None:
     model.set_attn_implementation("custom_test_attention")
     assert model.config._attn_implementation == "custom_test_attention"
     assert _max_error_against_alone(model) < 1e-5
+
+
+@pytest.mark.parametrize("v_head_dim", [6, 16], ids=["narrower", "wider"])
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_mla_with_a_value_head_unlike_the_query_head_is_served_packed(family: str, v_head_dim: int) -> None:
+    """Multi-head latent attention whose value heads are narrower or wider than its query/key heads (12 here): a
+    packed row's documents get what each gets alone."""
+    config = tiny_config(family)
+    config.v_head_dim = v_head_dim
+    model = patch_model(_model(config))
+    assert _max_error_against_alone(model) < 1e-5

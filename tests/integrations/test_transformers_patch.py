@@ -9,6 +9,7 @@ the unpatched model raises or leaks on the same packed batch, so the patch is wh
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from collections.abc import Iterator
 from copy import deepcopy
@@ -24,6 +25,7 @@ from hybrid_pack.integrations.transformers.tiny import (
     CHUNK,
     TINY_CONFIGS,
     VOCAB,
+    tiny_config,
     tiny_model,
 )
 from hybrid_pack.testing import check_isolation
@@ -201,3 +203,21 @@ def test_a_refused_family_names_its_missing_layer_kind(model_type: str) -> None:
                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
     with pytest.raises(UnsupportedModelError, match=REFUSED[model_type].split(" (")[0]):
         patch_model(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize(("model_type", "language_model"), [("lfm2_vl", "Lfm2 (lfm2)"), ("lfm3_vl", "Lfm3 (lfm3)")])
+def test_a_multimodal_model_around_a_served_language_model_is_refused_naming_it(model_type: str,
+                                                                                language_model: str) -> None:
+    """Its images come in another form than the packed batches: refused before any call, the fix named."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from hybrid_pack.errors import UnsupportedModelError
+
+    config = AutoConfig.for_model(model_type, text_config=tiny_config(model_type.removesuffix("_vl")).to_dict())
+    for name, value in {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                        "num_attention_heads": 2}.items():
+        setattr(config.vision_config, name, value)
+    model = AutoModelForImageTextToText.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=rf"language model is {re.escape(language_model)}, served, "
+                                                    r"but its image / audio inputs .*AutoModelForCausalLM"):
+        patch_model(model)

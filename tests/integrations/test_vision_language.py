@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hybrid_pack import PackingCollator
+from hybrid_pack.errors import InputError
 from hybrid_pack.integrations.transformers import is_patched, patch_model
 from hybrid_pack.integrations.transformers.tiny import (
     TINY_VLM_CONFIGS,
@@ -201,3 +202,17 @@ def test_the_vision_tower_keeps_each_image_apart() -> None:
         alone = torch.cat([model.model.get_image_features(p, g[None]).pooler_output[0]
                            for p, g in zip(pixels.split(rows), grids)])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", ["2-D", "none"])
+def test_an_image_row_without_its_mrope_positions_is_refused(positions: str) -> None:
+    """A packed row with images collated without ``position_ids_fn`` (2-D restarting positions, or none) would
+    number the vision tokens as text: the patched model refuses it, naming the fix."""
+    config = TINY_VLM_CONFIGS["qwen3_5"]()
+    model = patch_model(_high_init("qwen3_5"))
+    batch = {key: value for key, value in PackingCollator()(_samples(config, video=False)).items() if key != "labels"}
+    assert batch["position_ids"].dim() == 2
+    if positions == "none":
+        del batch["position_ids"]
+    with pytest.raises(InputError, match=r"position_ids: .*\(\[3, 1, T\]\).*position_ids_fn=mrope_position_ids"):
+        model(**batch)

@@ -42,3 +42,24 @@ def test_context_parallel_ranks_settle_one_verdict_per_key_at_the_warm_up(tmp_pa
         assert ("not on rank 1" in why) if rank == 0 else ("self-check" in why), why
         # the sharded conv failed its collective check on rank 1: the pure-torch path ran on both ranks
         assert ["conv", "torch"] in ran["all"] and ["conv", "planted_sharded"] not in ran["all"], ran["all"]
+
+
+@pytest.mark.distributed
+def test_evaluation_calls_settle_at_the_warm_up_too(tmp_path):
+    """Calls without gradients under ``torch.distributed``: a custom loop that warmed up on its training batch
+    evaluates with no error, its kernel refused for training refused for evaluation too (the check with gradients
+    holds for them); a trainer evaluating before its first training step (``PackedSFTTrainer``, ``PackedDPOTrainer``)
+    settles its evaluation calls at a warm-up of their own (never a ``WarmUpError``), and its kernel serves both
+    modes after training."""
+    out = tmp_path / "evaluation"
+    torchrun("dist_backends.py", str(out), "evaluation", timeout=240)
+    ranks = [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text())["ran"] for r in range(2)]
+    for result in ranks:
+        loop, trainer = result["loop"], result["trainer"]
+        assert "error" not in loop and "error" not in trainer, (loop, trainer)
+        assert loop["ran"] == {"grad": [], "no_grad": ["torch"]}, loop
+        assert loop["refused"] == ["raised RuntimeError in its self-check: planted backward failure"], loop
+        assert trainer["ran_first"] == {"grad": [], "no_grad": ["planted"]}, trainer
+        assert trainer["ran"] == {"grad": ["planted"], "no_grad": ["planted"]}, trainer
+        assert result["dpo"] == {"ran": {"grad": [], "no_grad": ["planted"]}}, result["dpo"]
+    assert ranks[0]["trainer"]["first"] == ranks[1]["trainer"]["first"], "the ranks' evaluation loss is gathered"

@@ -4,6 +4,7 @@ that loads neither the compiler stack nor FSDP. Exercised with a planted CPU con
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -213,3 +214,28 @@ def test_a_discovered_step_that_met_no_key_checks_nothing() -> None:
     with backends.discovering(training_step=True):
         pass
     assert backends.verify() == []
+
+
+def test_a_warm_up_that_changes_no_verdict_leaves_compiled_graphs_standing() -> None:
+    """Settling again what a call reads already (a second warm-up; an evaluation's warm-up, whose calls without
+    gradients read the check with them) traces nothing again; a changed verdict does."""
+    from torch._dynamo.testing import CompileCounter
+
+    plant()
+    boundaries = ROW.boundaries()
+    static = StaticBoundaries.from_boundaries(boundaries, max_documents=4)
+    args = conv_case(boundaries)  # no gradients
+    (settled,) = [r for r in backends.verify(op="conv", device="cpu") if r.backend == PLANTED]  # with gradients
+    counter = CompileCounter()
+    compiled = torch.compile(lambda b: conv(args, b), backend=counter, fullgraph=True)
+    expected = conv(args, boundaries)
+    served = len(CALLS)
+    torch.testing.assert_close(compiled(static), expected)
+    backends.verify(op="conv", device="cpu")
+    backends.verify(op="conv", device="cpu", requires_grad=False)
+    torch.testing.assert_close(compiled(static), expected)
+    assert (counter.frame_count, len(CALLS)) == (1, served + 2), "traced once, the planted kernel ran each time"
+    key = next(k for k in verdicts.SETTLED if k.backend == PLANTED and not k.requires_grad)
+    verdicts.settle(key, dataclasses.replace(settled, ok=False, reason="failed on another rank"))
+    torch.testing.assert_close(compiled(static), expected)
+    assert (counter.frame_count, len(CALLS)) == (2, served + 2), "traced again, on the pure-torch backend"

@@ -105,6 +105,15 @@ def test_ignored_targets_get_no_gradient() -> None:
     assert ignored.any() and not grad_h[ignored].any() and grad_h[~ignored].abs().amin(-1).gt(0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16], ids=str)
+@pytest.mark.parametrize("shape", [(30,), (2, 15)], ids=["rows", "leading dims"])
+def test_any_integer_targets_give_the_int64_loss(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Targets of another integer dtype (``-100`` ignored) are token ids like int64 ones: same loss, same gradients."""
+    h, w, targets = inputs(0, vocab=200, shape=shape, dtype=torch.float64)
+    got = loss_and_grads(linear_cross_entropy, h, w, targets.to(dtype), chunk_size=8)
+    assert_all_close(got, loss_and_grads(linear_cross_entropy, h, w, targets, chunk_size=8), 0.0)
+
+
 def test_leading_dims_are_tokens() -> None:
     h, w, targets = inputs(0, shape=(2, 11), dtype=torch.float64)
     got = loss_and_grads(linear_cross_entropy, h, w, targets, chunk_size=5)

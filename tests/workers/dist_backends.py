@@ -13,11 +13,17 @@ widens the values). Before the warm-up a call that a kernel could serve raises (
 ``backends.discovering()`` records the keys, ``backends.verify()`` settles them, and one more step runs; writes
 what ran in it.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_backends.py OUT [cp]
+With ``evaluation``: the calls without gradients of an evaluation. A custom loop warms up on its training batch,
+where a planted conv kernel whose backward raises fails its check, then evaluates under ``torch.no_grad()``; then
+``PackedSFTTrainer`` (tiny Qwen3.5, a planted exact conv kernel) evaluates before its first training step, trains
+one step and evaluates again. Writes which backend each call ran per gradient mode, and any error.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_backends.py OUT [cp | evaluation]
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -35,6 +41,7 @@ from hybrid_pack.ops.dispatch.registry import reference_of
 from hybrid_pack.parallel import ShardedBoundaries
 from hybrid_pack.parallel.fsdp import apply_fsdp
 from tests import kit
+from tests.support.torch_path import pure_torch_transformers
 from tests.workers.launch import exit_without_finalizing
 
 PLANTED = "planted"
@@ -45,7 +52,7 @@ def main(out: str, mode: str) -> None:
     rank = int(os.environ["RANK"])
     os.environ["HYBRID_PACK_CACHE"] = f"{out}.cache{rank}"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    ran = sharded_ops(rank) if mode == "cp" else fsdp_step(rank)
+    ran = {"cp": sharded_ops, "evaluation": evaluation, "fsdp": fsdp_step}[mode](rank)
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"ran": ran, "report": backends.report(device="cpu")}, f)
     end_process_group()
@@ -105,6 +112,96 @@ def fsdp_step(rank: int) -> dict:
     backends.verify(model=model, batch=batch)
     model(**batch).loss.backward()
     return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()}
+
+
+def _ran(op: str, since: int = 0) -> dict[str, list[str]]:
+    """The backends ``op``'s calls ran on, by gradient mode (``since``: after that many decisions)."""
+    ran: dict[str, list[str]] = {"grad": [], "no_grad": []}
+    for d in backends.decisions()[since:]:
+        if d.op == op and d.backend not in ran["grad" if d.requires_grad else "no_grad"]:
+            ran["grad" if d.requires_grad else "no_grad"].append(d.backend)
+    return ran
+
+
+def evaluation(rank: int) -> dict:
+    """A custom loop's evaluation after its warm-up, then a trainer evaluating first: what the conv ran on, by
+    gradient mode, after each; ``error``: what raised (empty: nothing)."""
+    found: dict[str, object] = {}
+    conv = reference_of("conv").fn
+    backends.register("conv", PLANTED, kit.with_defect(conv, "backward_raises"), priority=100, devices=("cpu",),
+                      dtypes=(torch.float32,))
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny")
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(rank))
+    batch = {"input_ids": ids, "labels": ids, "boundaries": PackedBoundaries.from_lengths([7, 20 + rank, 13 - rank])}
+    try:
+        backends.verify(model=model, batch=batch)
+        model.eval()
+        with torch.no_grad():
+            model(**batch)
+        found["loop"] = {"ran": _ran("conv"), "refused": [dict(d.refused).get(PLANTED, "") for d in
+                                                         backends.decisions() if d.op == "conv"]}
+    except Exception as error:  # written for the test to show
+        found["loop"] = {"error": f"{type(error).__name__}: {error}"}
+    backends.unregister("conv", PLANTED)
+    backends.register("conv", PLANTED, conv, priority=100, devices=("cpu",), dtypes=(torch.float32,))
+    found["trainer"] = _trainer_evaluating_first(rank)
+    found["dpo"] = _dpo_evaluating_first()
+    return found
+
+
+def _trainer_evaluating_first(rank: int) -> dict:
+    import trl
+    from datasets import Dataset
+
+    from hybrid_pack.integrations.transformers.tiny import VOCAB, tiny_model, tiny_tokenizer
+    from hybrid_pack.integrations.trl import PackedSFTTrainer
+
+    words = [" ".join(f"w{3 + (7 * i + j) % (VOCAB - 3)}" for j in range(n)) for i, n in enumerate([5, 9, 3, 12])]
+    texts = Dataset.from_dict({"text": words})
+    args = trl.SFTConfig(output_dir=os.environ["HYBRID_PACK_CACHE"] + ".sft", per_device_train_batch_size=2,
+                         per_device_eval_batch_size=2, max_length=32, packing=True, max_steps=1, use_cpu=True,
+                         bf16=False, report_to=[], save_strategy="no", disable_tqdm=True, dataset_num_proc=None)
+    trainer = PackedSFTTrainer(model=tiny_model("qwen3_5"), args=args, train_dataset=texts, eval_dataset=texts,
+                               processing_class=tiny_tokenizer())
+    found: dict[str, object] = {}
+    since = len(backends.decisions())
+    try:
+        found["first"] = trainer.evaluate()["eval_loss"]
+        found["ran_first"] = _ran("conv", since)
+        trainer.train()
+        found["again"] = trainer.evaluate()["eval_loss"]
+        found["ran"] = _ran("conv", since)
+    except Exception as error:  # written for the test to show
+        found["error"] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def _dpo_evaluating_first() -> dict:
+    """``PackedDPOTrainer`` (tiny Bamba) evaluating twice before training: its first evaluation step records the
+    keys and settles them, the rest run on the kernels settled."""
+    import trl
+    from datasets import Dataset
+
+    from hybrid_pack.integrations.transformers.tiny import tiny_model, tiny_tokenizer
+    from hybrid_pack.integrations.trl import PackedDPOTrainer
+
+    pairs = Dataset.from_list([{"prompt": "w3 w4", "chosen": " w5 w6", "rejected": " w7"},
+                               {"prompt": "w8", "chosen": " w9 w10 w11", "rejected": " w12 w13"}])
+    args = trl.DPOConfig(output_dir=os.environ["HYBRID_PACK_CACHE"] + ".dpo", per_device_eval_batch_size=1,
+                         use_cpu=True, bf16=False, report_to=[], save_strategy="no", disable_tqdm=True)
+    since = len(backends.decisions())
+    model = tiny_model("bamba")
+    reference = copy.deepcopy(model)
+    try:
+        trainer = PackedDPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs,
+                                   eval_dataset=pairs, processing_class=tiny_tokenizer())
+        with pure_torch_transformers(model), pure_torch_transformers(reference):
+            trainer.evaluate()
+            trainer.evaluate()
+        return {"ran": _ran("conv", since)}
+    except Exception as error:  # written for the test to show
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 if __name__ == "__main__":

@@ -100,9 +100,15 @@ class PackedAttention:
         scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         extra = {} if window is None else {"window": window}
-        value_dim = value.shape[-1]
-        if value_dim < query.shape[-1]:   # MLA: zero columns added to V give zero outputs, sliced off below
-            value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
+        value_dim, query_dim = value.shape[-1], query.shape[-1]
+        if scaling is None:
+            scaling = query_dim ** -0.5   # the query's own head dim, whatever the padding below
+        # MLA: one head dim for all three; zero columns added to V give zero outputs (sliced off below), added to
+        # Q and K they leave every score q.k as it was
+        if value_dim < query_dim:
+            value = torch.nn.functional.pad(value, (0, query_dim - value_dim))
+        elif value_dim > query_dim:
+            query, key = (torch.nn.functional.pad(t, (0, value_dim - query_dim)) for t in (query, key))
         out = varlen_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), boundaries,
                                causal=True, softmax_scale=scaling, **extra)
         return out[..., :value_dim], None

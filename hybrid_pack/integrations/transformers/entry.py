@@ -34,17 +34,20 @@ from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.integrations.transformers.attention import wrap_attention
 from hybrid_pack.integrations.transformers.keys import EXPLICIT_BOUNDARY_KEYS, explicit_keys_in
-from hybrid_pack.integrations.transformers.mask import enter_call, exit_call
+from hybrid_pack.integrations.transformers.mask import enter_call, exit_call, skip_masks_of_packed_calls
+from hybrid_pack.mrope import numbers_with_mrope
 from hybrid_pack.schema import (
     ATTENTION_MASK,
     BOUNDARIES,
     BOUNDARY_KEYS,
     CACHE_KEYS,
     HOST_BOUNDARIES,
+    IMAGE_GRID_THW,
     INPUT_IDS,
     INPUTS_EMBEDS,
     POSITION_IDS,
     USE_CACHE,
+    VIDEO_GRID_THW,
 )
 
 __all__ = ["install_entry", "is_entry", "entry_modules", "packed_call_boundaries", "hand_off", "handed_off"]
@@ -188,6 +191,19 @@ def _refuse_attention_weights(module: torch.nn.Module, kwargs: dict[str, Any]) -
                          "model.set_attn_implementation('eager') first, or run each document unpacked")
 
 
+def _refuse_text_positions_for_images(module: torch.nn.Module, arguments: dict[str, Any]) -> None:
+    """A packed row with images or videos, for a model that numbers its tokens with M-RoPE, needs each document's
+    3-D positions as it gets them alone (docs/api.md §3b): 2-D (or no) ``position_ids`` would number the vision
+    tokens as text, silently."""
+    if arguments.get(IMAGE_GRID_THW) is None and arguments.get(VIDEO_GRID_THW) is None:
+        return
+    positions = arguments.get(POSITION_IDS)
+    if getattr(positions, "ndim", 0) != 3 and numbers_with_mrope(module):
+        raise InputError(f"{POSITION_IDS}: a packed row with images or videos needs the M-RoPE positions each "
+                         f"document gets alone ([3, 1, T]); got {'none' if positions is None else '2-D ones'}: "
+                         "collate with PackingCollator(position_ids_fn=mrope_position_ids(model))")
+
+
 def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Forward pre-hook: a packed call's keywords as ``boundaries=``; None (unchanged) for any other call.
@@ -204,6 +220,7 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
     if boundaries is None:
         return None
     _refuse_attention_weights(module, kwargs)
+    _refuse_text_positions_for_images(module, arguments)
     tokens = _tokens(arguments)   # input_ids, inputs_embeds or hidden_states, given by name or position
     if tokens is not None and boundaries.device != tokens.device:
         boundaries = boundaries.to(tokens.device)
@@ -231,6 +248,8 @@ class _EntryHook:
             if call is not None:   # an implementation registered after patch_model is served too
                 wrap_attention(module.config._attn_implementation)
             if not torch.compiler.is_compiling():   # a traced mask is dead code in the packed graph
+                if call is not None:   # a model patched in another process: its family's builders, here
+                    skip_masks_of_packed_calls(module)
                 enter_call(module, module.config, call is not None)
         return call
 

@@ -164,6 +164,12 @@ REFUSED: Mapping[str, str] = {
     "inkling2": "Inkling2's short and dynamic short convolutions (Inkling2ShortConvolution, "
                 "Inkling2DynamicShortConvolution) and relative position bias are layer kinds with no packed op "
                 "here",
+    "inkling2_loop_text": "Inkling2-Loop's short and dynamic short convolutions (Inkling2LoopShortConvolution, "
+                          "Inkling2LoopDynamicShortConvolution) and relative position bias are layer kinds with no "
+                          "packed op here",
+    "inkling2_loop": "Inkling2-Loop's short and dynamic short convolutions (Inkling2LoopShortConvolution, "
+                     "Inkling2LoopDynamicShortConvolution) and relative position bias are layer kinds with no packed "
+                     "op here",
     "zaya": "ZAYA's convolved attention (ZayaCCAProjection: convolutions over q/k inside attention) is a layer kind "
             "with no packed op here",
 }
@@ -177,6 +183,19 @@ def family_of(model: torch.nn.Module) -> Family:
         if model_type in family.model_types:
             return family
     supported = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
-    missing = REFUSED.get(model_type)
+    missing = REFUSED.get(model_type) or _around_a_served_language_model(model)
     raise UnsupportedModelError(f"model: {type(model).__name__} (model_type={model_type!r}) is not a supported "
                                 f"hybrid family{'; ' + missing if missing else ''}. Supported: {supported}")
+
+
+def _around_a_served_language_model(model: torch.nn.Module) -> str:
+    """Why a multimodal model whose language model is a served family is refused ("" for any other model)."""
+    get_text_config = getattr(model.config, "get_text_config", None)
+    text = get_text_config() if callable(get_text_config) else None
+    family = next((f for f in FAMILIES if getattr(text, "model_type", None) in f.model_types), None)
+    if family is None or text is model.config:
+        return ""
+    return (f"its language model is {family.name} ({text.model_type}), served, but its image / audio inputs are not "
+            "the packed multimodal batches hybrid_pack builds (docs/api.md §3b: Qwen-style pixel_values with "
+            "image_grid_thw); train the language model on text rows (loaded alone, AutoModelForCausalLM)")
+

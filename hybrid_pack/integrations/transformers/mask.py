@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -67,10 +68,19 @@ class SkippedForPackedCalls:
         return self.original(*args, **kwargs)
 
 
+_WRAPPED_FOR: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The models whose family modules' mask builders are wrapped in this process."""
+
+
 def skip_masks_of_packed_calls(model: Any) -> None:
-    """Wrap the mask builders of ``model``'s family module (and of every model class inside it), once each."""
+    """Wrap the mask builders of ``model``'s family module (and of every model class inside it), once each per
+    process: at ``patch_model``, and at the first packed call of a patched model that came from another process
+    (``pickle``, ``torch.load``, ``torch.multiprocessing.spawn``), whose modules were never wrapped here."""
+    if model in _WRAPPED_FOR:
+        return
     for module in {sys.modules[type(m).__module__] for m in model.modules()}:
         for name in _MASK_BUILDERS:
             original = getattr(module, name, None)
             if original is not None and not isinstance(original, SkippedForPackedCalls):
                 setattr(module, name, SkippedForPackedCalls(original))
+    _WRAPPED_FOR.add(model)

@@ -18,6 +18,7 @@ static batches of ``capacity`` tokens and every step runs inside :func:`hybrid_p
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,7 +81,7 @@ class PackedBatches:
     _tokens_since_log = 0       # this rank's real training tokens since the last training log
     _real_tokens_seen = 0       # every rank's, up to the last training log
     _log_clock: float | None = None
-    _backends_verified = False
+    _warmed_up: frozenset[bool] = frozenset()  # the gradient modes whose first loss the warm-up ran before
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         positions = inputs.get(POSITION_IDS)
@@ -102,18 +103,20 @@ class PackedBatches:
         return inputs
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        """The trainer's loss; before the first training step's, the backends' one warm-up on that batch
-        (:meth:`warm_up_backends`)."""
-        if model.training:
-            self.warm_up_backends(model, inputs)
+        """The trainer's loss; before the first training loss and the first evaluation loss, the backends' warm-up
+        on that batch (:meth:`warm_up_backends`)."""
+        self.warm_up_backends(model, inputs)
         return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
 
     def warm_up_backends(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
-        """:func:`hybrid_pack.backends.verify` on ``model`` and this prepared batch, once per trainer: one verdict
-        per op and call key settled before the first forward (on every rank under ``torch.distributed``; a
-        compiled graph finds its kernels checked). The warm-up's pass leaves the random stream as it was."""
-        if not self._backends_verified:
-            self._backends_verified = True
+        """:func:`hybrid_pack.backends.verify` on ``model`` and this prepared batch, once per trainer and gradient
+        mode: one verdict per op and call key settled before the first forward that needs gradients (training) and
+        before the first that needs none (evaluation, which may come first or in another dtype), on every rank under
+        ``torch.distributed``; a compiled graph finds its kernels checked. The warm-up's pass leaves the random
+        stream as it was."""
+        grad = torch.is_grad_enabled()
+        if grad not in self._warmed_up:
+            self._warmed_up = self._warmed_up | {grad}
             backends.verify(model=model, batch=inputs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -150,21 +153,28 @@ class PackedBatches:
 
 class SettlesBackendsAfterFirstStep:
     """For trainers whose packed calls one batch cannot replay (TRL's GRPO and DPO score several forwards per step):
-    the first training step runs on the pure-torch backends, recording the keys it meets
-    (:func:`hybrid_pack.backends.discovering`), then (every rank under ``torch.distributed``) settles one backend
-    per op and call key (:func:`hybrid_pack.backends.verify`, the one warm-up) for the rest. Mixed in before the
-    trainer class."""
+    the first training step and the first evaluation step (its calls need no gradients, and may come first) each
+    record the keys they meet, then settle them for the steps after. Mixed in before the trainer class."""
 
-    _backends_settled = False
+    _settled: frozenset[str] = frozenset()  # "training_step", "prediction_step": the steps whose first one settled
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._backends_settled:
-            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        return self._settling("training_step", functools.partial(super().training_step, *args, **kwargs))
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._settling("prediction_step", functools.partial(super().prediction_step, *args, **kwargs))
+
+    def _settling(self, kind: str, step: Callable[[], Any]) -> Any:
+        """``step()``; the first of its ``kind`` records the call keys it meets (one with no settled verdict runs on
+        the pure-torch backends, :func:`hybrid_pack.backends.discovering`), then settles one backend per op and key
+        (:func:`hybrid_pack.backends.verify`, the warm-up: every rank under ``torch.distributed``)."""
+        if kind in self._settled:
+            return step()
+        self._settled = self._settled | {kind}
         with backends.discovering(training_step=True):
-            loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
-        self._backends_settled = True
+            out = step()
         backends.verify()
-        return loss
+        return out
 
 
 BATCH_INVARIANT_EXPERTS = "batched_mm"

@@ -161,12 +161,8 @@ def verdict_key(backend: Backend, signature: Signature, device: torch.device, re
 
 def _known(find: Callable[[VerdictKey], CheckResult | None], backend: Backend, signature: Signature,
            device: torch.device, requires_grad: bool, group_ranks: tuple[int, ...] = ()) -> CheckResult | None:
-    """``find(key)`` for the call's key; a passed check with gradients also serves a call that needs none."""
-    known = find(verdict_key(backend, signature, device, requires_grad, group_ranks))
-    if known is None and not requires_grad:
-        with_grad = find(verdict_key(backend, signature, device, True, group_ranks))
-        known = with_grad if with_grad is not None and with_grad.ok else None
-    return known
+    """``find`` for the call's key (:func:`verdicts.lookup`: a call without gradients reads the check with them)."""
+    return verdicts.lookup(find, verdict_key(backend, signature, device, requires_grad, group_ranks))
 
 
 def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
@@ -217,8 +213,10 @@ def _evidence(backend: Backend, signature: Signature, device: torch.device, dtyp
     if known is None:
         where = ("a compiled graph or a CUDA graph capture" if traced else "a call on a sharded row" if group_ranks
                  else "a run under torch.distributed")
+        again = ("; the warm-up that ran met no call of this key (another dtype or sizes, or a call without "
+                 "gradients before any with them): run it on a batch like this one too" if verdicts.SETTLED else "")
         why = (f"no verdict settled for {signature_text(signature)} on {verdicts.device_name(device)}, and none "
-               f"may be taken in {where}: call {WARM_UP} (every rank, before the first forward)")
+               f"may be taken in {where}: call {WARM_UP} (every rank, before the first forward{again})")
         if strict:
             raise WarmUpError(f"{backend.op}: backend {backend.name!r} could serve this call but {why}")
         return why
@@ -334,9 +332,10 @@ def recording_keys() -> bool:
 
 @contextlib.contextmanager
 def discovering(*, training_step: bool = False) -> Iterator[None]:
-    """Inside the block, calls record the keys they need (for :func:`hybrid_pack.backends.verify`) and run on the
-    pure-torch backends; no check runs, nothing is logged and no choice is kept. ``training_step``: the block is a
-    real training step (several forwards one batch cannot replay), followed by ``verify()``."""
+    """Inside the block, a call whose key has no settled verdict records it (for :func:`hybrid_pack.backends.verify`)
+    and runs on the pure-torch backends; no check runs, nothing is logged and no choice is kept. ``training_step``:
+    the block is a real step, of training or evaluation (several forwards one batch cannot replay), followed by
+    ``verify()``."""
     global _discovered
     token = _discovering.set("step" if training_step else "replay")
     try:

@@ -12,7 +12,8 @@ import json
 import os
 import platform
 import tempfile
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from hybrid_pack.ops.triton_device import INTERPRET_ENV, cpu_interpreter_enabled
 
 __all__ = ["CheckResult", "VerdictKey", "remember", "recall", "forget", "results", "environment", "device_name",
-           "CACHE_ENV", "cache_dir", "SETTLED", "CHOICES", "settle", "changed", "generation"]
+           "CACHE_ENV", "cache_dir", "SETTLED", "CHOICES", "lookup", "settle", "changed", "generation"]
 
 CACHE_ENV = "HYBRID_PACK_CACHE"
 PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
@@ -133,10 +134,22 @@ def changed() -> None:
     generation += 1
 
 
+def lookup(find: Callable[[VerdictKey], CheckResult | None], key: VerdictKey) -> CheckResult | None:
+    """``find(key)``; for a call without gradients with no result of its own, the check with them, passed or failed
+    (a kernel refused for training serves neither its evaluation)."""
+    known = find(key)
+    if known is None and not key.requires_grad:
+        known = find(replace(key, requires_grad=True))
+    return known
+
+
 def settle(key: VerdictKey, result: CheckResult) -> None:
-    """Put ``result`` in force for ``key`` (the warm-up: the same on every rank)."""
+    """Put ``result`` in force for ``key`` (the warm-up: the same on every rank); compiled graphs are traced again
+    unless the verdict a call of ``key`` reads stays what it was."""
+    before = lookup(SETTLED.get, key)
     SETTLED[key] = result
-    changed()
+    if before is None or (before.ok, before.reason) != (result.ok, result.reason):
+        changed()
 
 
 def _load() -> None:

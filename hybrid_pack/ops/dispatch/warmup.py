@@ -36,7 +36,8 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
     """The warm-up that settles which backend serves each op and call key, for every rank (docs/api.md §5a).
 
     Call it once before the first forward; under ``torch.distributed`` every rank calls it (collective). The keys:
-    those one eager pass of ``model(**batch)`` on the pure-torch backends meets, and those met inside
+    those one eager pass of ``model(**batch)`` on the pure-torch backends meets (with its backward; under
+    ``torch.no_grad()`` the calls without gradients, as an evaluation makes them), and those met inside
     :func:`~.selector.discovering`; with no such pass, each op's typical signature per ``dtype`` (default: bfloat16
     and float32 on CUDA, float32 on CPU) on ``device``, the pure-torch backends included. ``op``: only its keys;
     ``progress``: a progress bar (default: when stderr is a terminal). Returns the verdicts this rank settled.

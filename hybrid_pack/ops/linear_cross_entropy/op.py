@@ -60,8 +60,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     Args:
         hidden: ``[..., H]`` (a packed row's final hidden states ``[1, T, H]``), any float dtype.
         weight: ``[V, H]``, the LM head's weight, in ``hidden``'s dtype.
-        targets: int ``[...]`` (``hidden``'s leading dims), already shifted: ``targets[t]`` is the token predicted
-            at ``t``; ``-100`` ignored.
+        targets: any integer dtype (taken as int64) ``[...]`` (``hidden``'s leading dims), already shifted:
+            ``targets[t]`` is the token predicted at ``t``; ``-100`` ignored.
         num_items: divide the summed loss by this: the target tokens of every micro-batch of the optimizer step
             (gradient accumulation), or of the whole row on a context-parallel shard, so that the shards' losses
             sum to the row's. Default: the targets here that are not ``-100``.
@@ -83,6 +83,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         hidden_rows, target_rows = hidden, targets
     else:
         hidden_rows, target_rows = hidden.reshape(-1, h_shape[-1]), targets.reshape(-1)
+    if target_rows.dtype != torch.int64:  # the backends take int64 ids, as F.cross_entropy does
+        target_rows = target_rows.long()
     arguments = {"hidden": hidden_rows, "weight": weight, "targets": target_rows, "chunk_size": chunk_size}
     total = ROUTE(arguments, None, backend=backend, requires_grad=needs_grad(hidden, weight))
     count = (target_rows != IGNORE_INDEX).sum() if num_items is None else num_items
