@@ -221,3 +221,16 @@ def test_a_multimodal_model_around_a_served_language_model_is_refused_naming_it(
     with pytest.raises(UnsupportedModelError, match=rf"language model is {re.escape(language_model)}, served, "
                                                     r"but its image / audio inputs .*AutoModelForCausalLM"):
         patch_model(model)
+
+
+@pytest.mark.parametrize("model", [torch.nn.Linear(2, 2), "musicgen"], ids=["no config", "two text configs"])
+def test_a_model_of_no_family_is_refused_as_unsupported(model: object) -> None:
+    from hybrid_pack.errors import UnsupportedModelError
+
+    if model == "musicgen":
+        from transformers import AutoConfig
+
+        model = torch.nn.Module()
+        model.config = AutoConfig.for_model("musicgen")
+    with pytest.raises(UnsupportedModelError, match="is not a supported hybrid family"):
+        patch_model(model)

@@ -239,3 +239,23 @@ def test_a_warm_up_that_changes_no_verdict_leaves_compiled_graphs_standing() -> 
     verdicts.settle(key, dataclasses.replace(settled, ok=False, reason="failed on another rank"))
     torch.testing.assert_close(compiled(static), expected)
     assert (counter.frame_count, len(CALLS)) == (2, served + 2), "traced again, on the pure-torch backend"
+
+
+def test_a_call_without_gradients_reads_a_failed_check_with_them_until_its_own_warm_up() -> None:
+    """A kernel whose backward fails its check serves no call without gradients either (the same in one process and
+    under ``torch.distributed``), until a warm-up without gradients checks that key itself: its forward passes."""
+    backends.register("conv", PLANTED, kit.with_defect(planted_conv, "backward_raises"), priority=100,
+                      devices=("cpu",), dtypes=(torch.float32,))
+    boundaries = ROW.boundaries()
+    args = conv_case(boundaries)  # no gradients
+    (with_grad,) = [r for r in backends.verify(op="conv", device="cpu") if r.backend == PLANTED]
+    assert not with_grad.ok and "planted backward failure" in with_grad.reason
+    served = len(CALLS)
+    conv(args, boundaries)
+    assert len(CALLS) == served, "the pure-torch backend served the call without gradients"
+    (forward,) = [r for r in backends.verify(op="conv", device="cpu", requires_grad=False) if r.backend == PLANTED]
+    assert forward.ok and not forward.requires_grad, forward
+    checked = len(CALLS)
+    assert checked > served, "the check without gradients ran the kernel"
+    conv(args, boundaries)
+    assert len(CALLS) == checked + 1, "the kernel serves the call without gradients"

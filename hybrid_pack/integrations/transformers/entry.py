@@ -195,13 +195,15 @@ def _refuse_text_positions_for_images(module: torch.nn.Module, arguments: dict[s
     """A packed row with images or videos, for a model that numbers its tokens with M-RoPE, needs each document's
     3-D positions as it gets them alone (docs/api.md §3b): 2-D (or no) ``position_ids`` would number the vision
     tokens as text, silently."""
-    if arguments.get(IMAGE_GRID_THW) is None and arguments.get(VIDEO_GRID_THW) is None:
+    grids = [arguments.get(key) for key in (IMAGE_GRID_THW, VIDEO_GRID_THW)]
+    if all(grid is None or (isinstance(grid, torch.Tensor) and grid.numel() == 0) for grid in grids):
         return
     positions = arguments.get(POSITION_IDS)
     if getattr(positions, "ndim", 0) != 3 and numbers_with_mrope(module):
+        got = "none" if positions is None else f"{getattr(positions, 'ndim', '?')}-D ones"
         raise InputError(f"{POSITION_IDS}: a packed row with images or videos needs the M-RoPE positions each "
-                         f"document gets alone ([3, 1, T]); got {'none' if positions is None else '2-D ones'}: "
-                         "collate with PackingCollator(position_ids_fn=mrope_position_ids(model))")
+                         f"document gets alone ([3, 1, T]); got {got}: collate with "
+                         "PackingCollator(position_ids_fn=mrope_position_ids(model))")
 
 
 def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

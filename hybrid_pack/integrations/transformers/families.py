@@ -190,10 +190,14 @@ def family_of(model: torch.nn.Module) -> Family:
 
 def _around_a_served_language_model(model: torch.nn.Module) -> str:
     """Why a multimodal model whose language model is a served family is refused ("" for any other model)."""
-    get_text_config = getattr(model.config, "get_text_config", None)
-    text = get_text_config() if callable(get_text_config) else None
+    config = getattr(model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    try:
+        text = get_text_config() if callable(get_text_config) else None
+    except ValueError:  # several text configs (an encoder-decoder): no one language model
+        return ""
     family = next((f for f in FAMILIES if getattr(text, "model_type", None) in f.model_types), None)
-    if family is None or text is model.config:
+    if family is None or text is config:
         return ""
     return (f"its language model is {family.name} ({text.model_type}), served, but its image / audio inputs are not "
             "the packed multimodal batches hybrid_pack builds (docs/api.md §3b: Qwen-style pixel_values with "

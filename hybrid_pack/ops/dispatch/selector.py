@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -159,18 +159,14 @@ def verdict_key(backend: Backend, signature: Signature, device: torch.device, re
     return VerdictKey(backend.op, backend.name, backend.fingerprint, verdicts.device_name(device), text, requires_grad)
 
 
-def _known(find: Callable[[VerdictKey], CheckResult | None], backend: Backend, signature: Signature,
-           device: torch.device, requires_grad: bool, group_ranks: tuple[int, ...] = ()) -> CheckResult | None:
-    """``find`` for the call's key (:func:`verdicts.lookup`: a call without gradients reads the check with them)."""
-    return verdicts.lookup(find, verdict_key(backend, signature, device, requires_grad, group_ranks))
-
-
 def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
                   check: bool = True) -> CheckResult | None:
-    """This rank's own verdict for the key: kept in the process or on disk, else (``check``) checked now, on this
+    """This rank's own verdict for the key: kept in the process or on disk (for a call without gradients, a passed
+    check with them), else (``check``) checked now, on this
     rank only, on a thread of its own (the caller's grad mode, autocast, hooks and dispatch modes do not reach it;
     it takes the caller's CUDA device), and kept (on disk too, unless it ran out of memory)."""
-    known = _known(verdicts.recall, backend, signature, device, requires_grad)
+    key = verdict_key(backend, signature, device, requires_grad)
+    known = verdicts.lookup(verdicts.recall, key, failed_too=False)
     if known is not None or not check:
         return known
     if tracing():
@@ -183,7 +179,6 @@ def local_verdict(backend: Backend, signature: Signature, device: torch.device, 
             torch.cuda.set_device(index)
         return run_check(backend, reference_of(backend.op), contract_of(backend.op), signature, device, requires_grad)
 
-    key = verdict_key(backend, signature, device, requires_grad)
     with ThreadPoolExecutor(1, thread_name_prefix="hybrid_pack-selfcheck") as thread:
         future = thread.submit(target)
     try:
@@ -200,7 +195,7 @@ def _evidence(backend: Backend, signature: Signature, device: torch.device, dtyp
               requires_grad: bool, group_ranks: tuple[int, ...], group: Any, strict: bool, traced: bool) -> str:
     """Why ``backend`` may not serve for want of evidence ("" when its settled verdict passed). An unsettled key is
     settled now in a single eager process, recorded while discovering, else (``strict``) raises WarmUpError."""
-    known = _known(verdicts.SETTLED.get, backend, signature, device, requires_grad, group_ranks)
+    known = verdicts.lookup(verdicts.SETTLED.get, verdict_key(backend, signature, device, requires_grad, group_ranks))
     if known is not None:
         return known.reason
     if recording_keys():

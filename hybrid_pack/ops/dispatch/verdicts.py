@@ -134,12 +134,15 @@ def changed() -> None:
     generation += 1
 
 
-def lookup(find: Callable[[VerdictKey], CheckResult | None], key: VerdictKey) -> CheckResult | None:
-    """``find(key)``; for a call without gradients with no result of its own, the check with them, passed or failed
-    (a kernel refused for training serves neither its evaluation)."""
+def lookup(find: Callable[[VerdictKey], CheckResult | None], key: VerdictKey, *, failed_too: bool = True
+           ) -> CheckResult | None:
+    """``find(key)``; for a call without gradients with no result of its own, the check with them: passed or failed
+    (a kernel refused for training serves neither its evaluation), passed only without ``failed_too`` (a check
+    without gradients may still run)."""
     known = find(key)
     if known is None and not key.requires_grad:
-        known = find(replace(key, requires_grad=True))
+        with_grad = find(replace(key, requires_grad=True))
+        known = with_grad if with_grad is not None and (failed_too or with_grad.ok) else None
     return known
 
 
