@@ -52,6 +52,8 @@ def _add_config_options(parser: argparse.ArgumentParser, only: Sequence[str] | N
             else:
                 parser.add_argument(option, action="store_true", **described)
             continue
+        if setting.name in (defaults or {}) and setting.default is None:  # its "...; X when not given" is the field's
+            described["help"] = described["help"].split("; ")[0]
         if default is not None:
             described["help"] += f" (default: {default})"
         values = {key: setting.metadata[key] for key in ("choices", "metavar") if key in setting.metadata}
@@ -275,11 +277,25 @@ def _load_factory(spec: str) -> Callable[[], Any]:
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(location)
+        try:
+            module = importlib.import_module(location)
+        except ModuleNotFoundError as err:
+            raise InputError(f"--trainer: cannot import {location!r}: {err}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise InputError(f"--trainer: {location!r} has no function {name!r}")
     return factory
+
+
+def _lengths(text: str) -> list[int]:
+    """``--lengths 3,5,1`` as ints (each checked by the harness)."""
+    from hybrid_pack.errors import InputError
+
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise InputError(f"--lengths: expected comma-separated document lengths such as 3,5,1; got {text!r}"
+                         ) from None
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -296,7 +312,7 @@ def _run_check(args: argparse.Namespace) -> int:
         if args.trainer:
             report = check_isolation(_load_factory(args.trainer)(), grads=not args.no_grads, seed=args.seed)
         else:
-            lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
+            lengths = None if args.lengths is None else _lengths(args.lengths)
             device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = _model_for_check(args.model, patch=not args.no_patch, vocab_size=args.vocab_size)
             model = model.to(device, getattr(torch, args.dtype))

@@ -200,7 +200,7 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
         batch: a real packed batch to run through the model (or the trainer) instead of random layouts.
         lengths: one layout of random documents with these lengths. Default: the adversarial layouts
             for the chunk sizes and conv widths the model uses.
-        documents: token ids of the documents to pack (overrides ``lengths``); or, for a vision-language model,
+        documents: token ids of the documents to pack (not with ``lengths``); or, for a vision-language model,
             processor-style samples (dicts of ``input_ids``, ``mm_token_type_ids``, ``pixel_values``,
             ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``; docs/api.md §3b), packed with
             :class:`~hybrid_pack.PackingCollator` and ``position_ids_fn``, each checked against itself packed alone.
@@ -227,9 +227,23 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     """
     from hybrid_pack.testing.training_step import check_training_step, is_trainer
 
+    for name, value in (("atol", atol), ("grad_atol", grad_atol)):
+        if value is not None and not value >= 0:  # NaN fails too
+            raise InputError(f"{name}: expected a tolerance >= 0 (None: the dtype's); got {value!r}")
     if batch is not None or is_trainer(model):
         return check_training_step(model, batch, grads=grads, per_layer=per_layer, atol=atol, grad_atol=grad_atol,
                                    seed=seed)
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"model: expected a torch.nn.Module, or a transformers / TRL trainer; got "
+                         f"{type(model).__name__}")
+    if lengths is not None and documents is not None:
+        raise InputError("lengths, documents: give one of them (documents are packed as given, lengths draw random "
+                         "tokens)")
+    if isinstance(documents, torch.Tensor):
+        raise InputError("documents: expected a list of token-id lists (or of 1-D tensors); got one tensor: pass "
+                         "list(tensor) or tensor.tolist()")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise InputError(f"vocab_size: expected a positive int; got {vocab_size!r}")
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None else torch.float32
@@ -257,7 +271,11 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
         if not documents or any(len(d) == 0 for d in documents):
             raise InputError("documents: expected a non-empty list of non-empty token-id lists")
         layouts = [Layout("given documents", tuple(len(d) for d in documents), num_pad_tokens)]
-        vocab_size = vocab_size or max(max(d) for d in documents) + 1
+        low, high = min(int(min(d)) for d in documents), max(int(max(d)) for d in documents)
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            raise InputError(f"documents: token ids {low}..{high} fall outside the model's vocabulary "
+                             f"[0, {vocab_size if vocab_size is not None else 'inf'}); pass ids the model embeds")
+        vocab_size = vocab_size or high + 1
     elif lengths is not None:
         if not lengths or any(int(n) < 1 for n in lengths):
             raise InputError("lengths: expected a non-empty list of document lengths >= 1")

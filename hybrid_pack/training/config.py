@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from hybrid_pack.errors import InputError
@@ -117,6 +119,14 @@ class TrainConfig:
             raise InputError(f"max_steps: expected a positive int or None; got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:
             raise InputError(f"max_examples: expected a positive int or None; got {self.max_examples}")
+        for name in ("lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "warmup_steps"):
+            if not getattr(self, name) >= 0:  # NaN fails too
+                raise InputError(f"{name}: expected a number >= 0; got {getattr(self, name)}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise InputError(f"device: expected cpu, cuda, cuda:1 ...; got {self.device!r}") from None
         for setting_field in fields(self):
             choices, value = setting_field.metadata.get("choices"), getattr(self, setting_field.name)
             if choices is not None and value not in choices:

@@ -50,7 +50,12 @@ def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise InputError(f"data: line {number} of {data} is not JSON ({err.msg}, column {err.colno}); "
+                                     'expected one {"messages": [...]} or {"input_ids": [...]} object per line'
+                                     ) from None
                 if not isinstance(row, dict) or not (isinstance(row.get("messages"), list)
                                                      or isinstance(row.get(INPUT_IDS), list)):
                     raise InputError(f"data: line {number} of {data} has no 'messages' or 'input_ids' list; expected "

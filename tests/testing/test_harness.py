@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
+from hybrid_pack.modeling import from_preset
 from hybrid_pack.testing import IsolationError, adversarial_layouts, assert_isolated, check_isolation
 from tests.testing.leaky_zoo import LEAKY, ToyLM, clean_mixers
 
@@ -137,3 +139,19 @@ def test_cli_check_prints_the_verdict_and_shows_progress(capsys):
     assert main(["check", "bamba-tiny", "--lengths", "3,5", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("ISOLATED: bamba-tiny") and "isolation check" in captured.err
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda m: check_isolation(m, lengths=[4, 4], atol=-1), r"atol: expected a tolerance >= 0"),
+    (lambda m: check_isolation(m, lengths=[4, 4], grad_atol=float("nan")), r"grad_atol: expected a tolerance >= 0"),
+    (lambda m: check_isolation("not a model", lengths=[3, 4]), r"model: expected a torch.nn.Module, or a"),
+    (lambda m: check_isolation(m, lengths=[3], documents=[[1, 2]]), r"lengths, documents: give one of them"),
+    (lambda m: check_isolation(m, documents=torch.tensor([[1, 2], [3, 4]])), r"documents: expected a list of"),
+    (lambda m: check_isolation(m, documents=[[10 ** 9], [5, 6]]), r"documents: token ids 5\.\.1000000000 fall "
+                                                                   r"outside the model's vocabulary"),
+    (lambda m: check_isolation(m, lengths=[3, 4], vocab_size=0), r"vocab_size: expected a positive int"),
+])
+def test_bad_input_is_refused_naming_the_field(call, message) -> None:
+    """A negative tolerance would report a leak that is not there; the others would fail deep inside a run."""
+    with pytest.raises(InputError, match=message):
+        call(from_preset("qwen3-next-tiny"))

@@ -94,6 +94,7 @@ def test_demo_takes_its_own_defaults_and_always_compares(parse, capsys, monkeypa
     assert parse("demo", "--max-examples", "8", "--no-progress").max_examples == 8
     text = help_text("demo", capsys, monkeypatch)
     assert "--epochs" not in text and "(default: 600)" in text
+    assert "all when not given" not in " ".join(text.split()), "the demo's default is 600, not all"
 
 
 @pytest.mark.parametrize(("argv", "field"), [(["--overflow", "wrap"], "overflow"), (["--dtype", "float16"], "dtype"),
@@ -111,3 +112,24 @@ def test_the_config_checks_the_choices_its_options_offer():
         TrainConfig(dtype="float16")
     with pytest.raises(InputError, match=r"overflow: expected one of 'error', 'truncate', 'split', 'drop'"):
         TrainConfig(overflow="wrap")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", "--lr", "-1"], "lr: expected a number >= 0; got -1.0"),
+    (["train", "--max-grad-norm", "nan"], "max_grad_norm: expected a number >= 0; got nan"),
+    (["train", "--device", "nodev"], "device: expected cpu, cuda, cuda:1 ...; got 'nodev'"),
+    (["check", "qwen3-next-tiny", "--lengths", "a,b"], "--lengths: expected comma-separated document lengths"),
+    (["check", "qwen3-next-tiny", "--lengths", ""], "--lengths: expected comma-separated document lengths"),
+    (["check", "--trainer", "no_such_module_here:make"], "--trainer: cannot import 'no_such_module_here'"),
+])
+def test_a_bad_value_is_one_line_naming_it_and_exits_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_a_data_line_that_is_not_json_is_named(tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n')
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run")]) == 2
+    assert f"data: line 2 of {data} is not JSON" in capsys.readouterr().err
