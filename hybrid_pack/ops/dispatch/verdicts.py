@@ -137,7 +137,7 @@ def changed() -> None:
 def lookup(find: Callable[[VerdictKey], CheckResult | None], key: VerdictKey, *, failed_too: bool = True
            ) -> CheckResult | None:
     """``find(key)``; for a call without gradients with no result of its own, the check with them: passed or failed
-    (a kernel refused for training serves neither its evaluation), passed only without ``failed_too`` (a check
+    (a kernel refused for training serves no evaluation either), passed only without ``failed_too`` (a check
     without gradients may still run)."""
     known = find(key)
     if known is None and not key.requires_grad:
