@@ -33,10 +33,11 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops.attention import kernel_flex, kernel_torch_varlen
 from hybrid_pack.ops.conv import kernel_fla as conv_fla
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import CheckCase
 from hybrid_pack.ops.dispatch.registry import get_backend
-from hybrid_pack.ops.dispatch.verdicts import device_name, environment
 from hybrid_pack.ops.gated_delta import kernel_fla as gated_delta_fla
+from hybrid_pack.ops.selfcheck.contract import CheckCase
+from hybrid_pack.ops.selfcheck.kept import environment
+from hybrid_pack.ops.selfcheck.result import device_name
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -351,7 +351,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from hybrid_pack.bench.kernels import run_kernel_benchmarks
     from hybrid_pack.bench.report import kernel_table
-    from hybrid_pack.ops.dispatch.verdicts import device_name, environment
+    from hybrid_pack.ops.selfcheck.kept import environment
+    from hybrid_pack.ops.selfcheck.result import device_name
     from hybrid_pack.training.benchmark import run_benchmark
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

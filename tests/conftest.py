@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybrid_pack.ops.dispatch import verdicts
-from hybrid_pack.ops.dispatch.verdicts import CACHE_ENV
+from hybrid_pack.ops.selfcheck.kept import CACHE_ENV
 
 torch.set_num_threads(1)
 

@@ -34,9 +34,9 @@ from hybrid_pack.ops import (
     selective_scan,
     varlen_attention,
 )
-from hybrid_pack.ops.dispatch.contract import CheckCase, Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import contract_of
 from hybrid_pack.ops.gated_delta.torch_backend import CHUNK_SIZE as GATED_DELTA_CHUNK
+from hybrid_pack.ops.selfcheck.contract import CheckCase, Signature, make_signature
 
 __all__ = [
     "Layout", "named", "ATTENTION_LAYOUTS", "FLEX_BLOCK_LAYOUTS", "CONV_LAYOUTS", "GATED_DELTA_LAYOUTS",

@@ -6,12 +6,12 @@ raises ``WarmUpError``. ``available()`` says what can run, ``select()`` what wil
 ``register()`` adds a user's own kernel.
 """
 
+from hybrid_pack.backends.available import BackendStatus, available
 from hybrid_pack.backends.report import report
 from hybrid_pack.ops import dispatch as _dispatch  # noqa: F401  (importing the ops registers their backends)
 from hybrid_pack.ops.dispatch.backend import Backend
+from hybrid_pack.ops.dispatch.discovery import discovering
 from hybrid_pack.ops.dispatch.registry import (
-    BackendStatus,
-    available,
     backends_of,
     get_backend,
     register,
@@ -24,13 +24,13 @@ from hybrid_pack.ops.dispatch.selector import (
     Decision,
     WarmUpError,
     decisions,
-    discovering,
     resolve,
     select,
     use_backends,
 )
-from hybrid_pack.ops.dispatch.verdicts import CACHE_ENV, CheckResult
 from hybrid_pack.ops.dispatch.warmup import verify
+from hybrid_pack.ops.selfcheck.kept import CACHE_ENV
+from hybrid_pack.ops.selfcheck.result import CheckResult
 
 OPS = registered_ops()
 """The ops: ``"attention"``, ``"conv"``, ``"gated_delta"``, ``"ssd"``."""

@@ -8,10 +8,11 @@ import torch.distributed as dist
 from hybrid_pack.distributed import distributed
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, registered_ops
 from hybrid_pack.ops.dispatch.selector import local_verdict, resolve, verdict_key, verification_enabled
-from hybrid_pack.ops.dispatch.verdicts import cache_dir, device_name
+from hybrid_pack.ops.selfcheck.contract import dtype_name, signature_text
+from hybrid_pack.ops.selfcheck.kept import cache_dir
+from hybrid_pack.ops.selfcheck.result import device_name
 
 __all__ = ["report"]
 

@@ -26,9 +26,9 @@ from hybrid_pack.errors import BackendUnavailableError
 from hybrid_pack.isolation import Layout, one_document_layout, real_size_layout, short_document_layout
 from hybrid_pack.ops import causal_conv1d, gated_delta_rule, mamba2_ssd, varlen_attention
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import CheckCase, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, registered_ops
 from hybrid_pack.ops.dispatch.selector import resolve
+from hybrid_pack.ops.selfcheck.contract import CheckCase, dtype_name, signature_text
 
 __all__ = ["KernelBenchmark", "benchmark_backend", "benchmark_case", "row_layouts", "run_kernel_benchmarks",
            "time_forward_backward"]

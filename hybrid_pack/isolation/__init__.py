@@ -1,8 +1,8 @@
 """What every "packed equals alone" check shares: one error measure and comparison, one tolerance table,
 one module of adversarial layouts.
 
-The backends' self-check (``ops/dispatch/selfcheck.py``), the context-parallel collective check
-(``ops/dispatch/cp_check.py``), the harness (``testing/isolation.py``), the training-step check
+The backends' self-check (``ops/selfcheck/whole_row.py``), the context-parallel collective check
+(``ops/selfcheck/sharded_row.py``), the harness (``testing/isolation.py``), the training-step check
 (``testing/training_step.py``) and the runtime guard (``testing/guard.py``) are built on it. It sits just
 above the boundaries in the data flow (docs/architecture.md): it imports ``hybrid_pack.boundaries``,
 ``hybrid_pack.errors``, the key names of ``hybrid_pack.schema`` and torch only.

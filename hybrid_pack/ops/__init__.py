@@ -3,7 +3,8 @@
 
 One folder per op (``attention/``, ``conv/``, ``gated_delta/``, ``ssd/``) holds its public function,
 its pure-torch backend (exact, CPU and GPU: the oracle), its kernel adapters, their registration and
-the op's self-check contract; ``dispatch/`` chooses the backend of each call (docs/api.md §5, §5a).
+the op's self-check contract; ``selfcheck/`` proves a backend and ``dispatch/`` chooses the backend of each
+call (docs/api.md §5, §5a).
 """
 
 from hybrid_pack.ops.attention import varlen_attention

@@ -11,7 +11,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.dispatch.contract import specialised
+from hybrid_pack.ops.selfcheck.contract import specialised
 
 AnyBoundaries = PackedBoundaries | StaticBoundaries | ShardedBoundaries
 """What the public ops take: a whole row (eager or compiled), or one rank's slice of a row (docs/api.md §10)."""

@@ -40,7 +40,7 @@ from hybrid_pack.errors import InputError, IsolationError, UncheckedError, Unsup
 from hybrid_pack.isolation import relative_error
 from hybrid_pack.isolation.probe import dtype_tolerance, leak_origin, output_logits, record_calls
 from hybrid_pack.isolation.vision import VISION_INPUT_KEYS, document_vision_inputs
-from hybrid_pack.ops.dispatch.selector import is_discovering
+from hybrid_pack.ops.dispatch.discovery import is_discovering
 from hybrid_pack.ops.invariant import is_batch_invariant
 from hybrid_pack.schema import (
     ATTENTION_MASK,

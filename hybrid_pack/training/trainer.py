@@ -32,7 +32,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.distributed import agree_max, end_process_group, gather_rows
 from hybrid_pack.errors import InputError, IsolationError
-from hybrid_pack.ops.dispatch.verdicts import device_name
+from hybrid_pack.ops.selfcheck.result import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.parallel.mesh import CP, DP, context_parallel_mesh
 from hybrid_pack.parallel.parallelize import parallelize

@@ -13,20 +13,21 @@ from benchmarks.bench_kernels import adapter_overhead, overhead_table
 from hybrid_pack import backends
 from hybrid_pack.bench.kernels import benchmark_backend
 from hybrid_pack.bench.report import kernel_table
-from hybrid_pack.ops.dispatch import registry, selector, verdicts
+from hybrid_pack.ops.dispatch import registry, selector
 from hybrid_pack.ops.dispatch.registry import get_backend, reference_of
+from hybrid_pack.ops.selfcheck import kept
 
 TOKENS = 8192  # the smallest row the benchmark layouts take
 
 
 @pytest.fixture(autouse=True)
 def user_backends(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(verdicts, "_memory", {})
-    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setenv(kept.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(kept, "_memory", {})
+    monkeypatch.setattr(kept, "_loaded_from", None)
     monkeypatch.setattr(selector, "_logged", set())
     yield
-    verdicts._environment_digest.cache_clear()
+    kept._environment_digest.cache_clear()
     for name in ("user_conv", "big_rows_fail"):
         if any(b.name == name for b in registry.backends_of("conv")):
             registry.unregister("conv", name)

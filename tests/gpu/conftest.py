@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack.ops.dispatch.verdicts import environment
+from hybrid_pack.ops.selfcheck.kept import environment
 
 HERE = Path(__file__).parent
 SKIP_REASON = ("GPU tier: needs a CUDA device (torch.cuda.is_available() is False here); "

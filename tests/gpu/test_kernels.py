@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from hybrid_pack.isolation import REAL_TOKENS, SELF_CHECK_TOLERANCE, TOLERANCE, real_size_layout
-from hybrid_pack.ops.dispatch.contract import Signature, make_signature
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, reference_of
-from hybrid_pack.ops.dispatch.selfcheck import run_check
+from hybrid_pack.ops.selfcheck.contract import Signature, make_signature
+from hybrid_pack.ops.selfcheck.whole_row import run_check
 
 F32 = torch.float32
 TOKENS = int(os.environ.get("HYBRID_PACK_GPU_TOKENS") or REAL_TOKENS)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybrid_pack.ops import decay_linear_attention
-from hybrid_pack.ops.dispatch.contract import make_signature
+from hybrid_pack.ops.selfcheck.contract import make_signature
 from tests import kit
 from tests.kit import KERNEL_LAYOUTS as LAYOUTS
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybrid_pack.ops import kda
-from hybrid_pack.ops.dispatch.contract import make_signature
+from hybrid_pack.ops.selfcheck.contract import make_signature
 from tests import kit
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("without_selfcheck")]

@@ -25,9 +25,9 @@ from hybrid_pack.ops.attention import torch_static as attention_static
 from hybrid_pack.ops.attention.blockwise import lower_right_causal_attention
 from hybrid_pack.ops.attention.check import CONTRACT, signature_of
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import make_signature
 from hybrid_pack.ops.dispatch.registry import get_backend, reference_of
-from hybrid_pack.ops.dispatch.selfcheck import run_check
+from hybrid_pack.ops.selfcheck.contract import make_signature
+from hybrid_pack.ops.selfcheck.whole_row import run_check
 from tests import kit
 
 OP = "attention"

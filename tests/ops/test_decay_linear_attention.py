@@ -18,7 +18,7 @@ from hybrid_pack.boundaries import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import decay_linear_attention
 from hybrid_pack.ops.decay_linear_attention import torch_backend, torch_static
-from hybrid_pack.ops.dispatch.contract import make_signature
+from hybrid_pack.ops.selfcheck.contract import make_signature
 from tests import kit
 from tests.kit import GATED_DELTA_LAYOUTS as LAYOUTS
 from tests.ops.reference.decay_linear_attention import decay_linear_attention_reference

@@ -21,6 +21,7 @@ from hybrid_pack.ops.conv import op as conv_op
 from hybrid_pack.ops.dispatch import route, selector, verdicts
 from hybrid_pack.ops.dispatch.registry import contract_of, reference_of, registered_ops
 from hybrid_pack.ops.dispatch.route import route_of
+from hybrid_pack.ops.selfcheck import kept
 from tests import kit
 
 PLANTED = "planted"
@@ -37,11 +38,11 @@ def planted_conv(*args: Any, **kwargs: Any) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def fresh(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test: its own results cache, no override, no planted kernel left behind."""
-    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(kept.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(selector.ENV_VAR, raising=False)
     monkeypatch.delenv(selector.VERIFY_ENV, raising=False)
-    monkeypatch.setattr(verdicts, "_memory", {})
-    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(kept, "_memory", {})
+    monkeypatch.setattr(kept, "_loaded_from", None)
     CALLS.clear()
     yield
     if any(b.name == PLANTED for b in backends.backends_of("conv")):

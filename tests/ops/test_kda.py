@@ -17,10 +17,11 @@ from hybrid_pack import PackedBoundaries, backends
 from hybrid_pack.boundaries import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import kda
-from hybrid_pack.ops.dispatch import registry, selector, verdicts
-from hybrid_pack.ops.dispatch.contract import make_signature
+from hybrid_pack.ops.dispatch import registry, selector
 from hybrid_pack.ops.dispatch.registry import contract_of, reference_of
 from hybrid_pack.ops.kda import torch_backend
+from hybrid_pack.ops.selfcheck import kept
+from hybrid_pack.ops.selfcheck.contract import make_signature
 from tests import kit
 from tests.kit import Layout
 from tests.ops.reference.kda import kda_reference
@@ -186,10 +187,10 @@ def test_final_state_is_optional() -> None:
                                                ("gradient_leak", "reaches other segments")])
 def test_self_check_refuses_a_kernel_that_mixes_documents(defect: str, reason: str, tmp_path, monkeypatch) -> None:
     """The op's self-check contract (check.py) catches a backend leaking across documents; the call falls back."""
-    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(kept.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(selector.ENV_VAR, raising=False)
-    monkeypatch.setattr(verdicts, "_memory", {})
-    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(kept, "_memory", {})
+    monkeypatch.setattr(kept, "_loaded_from", None)
     planted = kit.with_defect(reference_of(OP).fn, defect)
     backends.register(OP, "planted", planted, priority=100, devices=("cpu",), dtypes=(torch.float32,))
     try:

@@ -21,8 +21,9 @@ from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import from_preset
 from hybrid_pack.ops import linear_cross_entropy
-from hybrid_pack.ops.dispatch import selector, verdicts
+from hybrid_pack.ops.dispatch import selector
 from hybrid_pack.ops.linear_cross_entropy.torch_backend import linear_cross_entropy_sum
+from hybrid_pack.ops.selfcheck import kept
 from hybrid_pack.schema import IGNORE_INDEX, LABELS, SHIFT_LABELS
 from tests.kit import assert_close
 
@@ -212,14 +213,14 @@ def test_holds_one_chunk_of_logits_and_saves_only_its_inputs() -> None:
 # ---------------------------------------------------------------- the self-check
 @pytest.fixture
 def fresh_verdicts(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(kept.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(selector.ENV_VAR, raising=False)
     monkeypatch.delenv(selector.VERIFY_ENV, raising=False)
-    monkeypatch.setattr(verdicts, "_memory", {})
-    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(kept, "_memory", {})
+    monkeypatch.setattr(kept, "_loaded_from", None)
     monkeypatch.setattr(selector, "_logged", set())
     yield
-    verdicts._environment_digest.cache_clear()
+    kept._environment_digest.cache_clear()
     if any(b.name == PLANTED for b in backends.backends_of(OP)):
         backends.unregister(OP, PLANTED)
 

@@ -24,6 +24,9 @@ from hybrid_pack.isolation import SELF_CHECK_TOLERANCE
 from hybrid_pack.ops import causal_conv1d
 from hybrid_pack.ops.dispatch import registry, selector, verdicts
 from hybrid_pack.ops.dispatch.registry import contract_of, reference_of
+from hybrid_pack.ops.selfcheck import kept, whole_row
+from hybrid_pack.ops.selfcheck import result as result_module
+from hybrid_pack.ops.selfcheck.result import CheckResult, device_name
 from tests import kit
 
 PLANTED = "planted"
@@ -45,14 +48,14 @@ def plant(op: str, defect: str) -> Callable[..., Any]:
 @pytest.fixture(autouse=True)
 def fresh_results(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts with no check results, its own cache directory and no override."""
-    monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(kept.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(selector.ENV_VAR, raising=False)
     monkeypatch.delenv(selector.VERIFY_ENV, raising=False)
-    monkeypatch.setattr(verdicts, "_memory", {})
-    monkeypatch.setattr(verdicts, "_loaded_from", None)
+    monkeypatch.setattr(kept, "_memory", {})
+    monkeypatch.setattr(kept, "_loaded_from", None)
     monkeypatch.setattr(selector, "_logged", set())
     yield
-    verdicts._environment_digest.cache_clear()
+    kept._environment_digest.cache_clear()
     for op in registry.registered_ops():
         if any(b.name == PLANTED for b in registry.backends_of(op)):
             registry.unregister(op, PLANTED)
@@ -171,17 +174,18 @@ def test_results_are_kept_on_disk_per_environment(tmp_path: Any, monkeypatch: py
     assert calls == [] and not status_of("conv").usable  # refused from the file, without running it
 
     new_process(monkeypatch)  # another torch: a fresh file, a fresh check
-    monkeypatch.setattr(verdicts, "environment", lambda: {**json.loads(files[0].read_text())["environment"],
+    monkeypatch.setattr(kept, "environment", lambda: {**json.loads(files[0].read_text())["environment"],
                                                           "torch": "0.0.0-other"})
-    verdicts._environment_digest.cache_clear()
+    kept._environment_digest.cache_clear()
     call_op("conv", requires_grad=True)
     assert calls and len(list((tmp_path / "cache").glob("backend-checks-*.json"))) == 2
 
 
 def new_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a new process starts from: nothing kept, settled or chosen in memory."""
-    for name, value in (("_memory", {}), ("_loaded_from", None), ("SETTLED", {}), ("CHOICES", {})):
-        monkeypatch.setattr(verdicts, name, value)
+    for module, name, value in ((kept, "_memory", {}), (kept, "_loaded_from", None), (verdicts, "SETTLED", {}),
+                                (verdicts, "CHOICES", {})):
+        monkeypatch.setattr(module, name, value)
 
 
 def raises_out_of_memory(*args: Any, **kwargs: Any) -> Any:
@@ -208,14 +212,14 @@ def test_a_check_on_cuda_without_an_index_runs_on_the_callers_device(monkeypatch
     seen: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.setdefault("set_device", index))
-    monkeypatch.setattr(verdicts, "_cuda_name", lambda index: f"cuda planted {index}")
+    monkeypatch.setattr(result_module, "_cuda_name", lambda index: f"cuda planted {index}")
 
     def checked(backend: Any, reference: Any, contract: Any, signature: Any, device: torch.device,
-                requires_grad: bool) -> verdicts.CheckResult:
+                requires_grad: bool) -> CheckResult:
         seen["device"] = device
-        return verdicts.CheckResult(backend.op, backend.name, True, "", 0.0, 0.0, verdicts.device_name(device))
+        return CheckResult(backend.op, backend.name, True, "", 0.0, 0.0, device_name(device))
 
-    monkeypatch.setattr(selector, "run_check", checked)
+    monkeypatch.setattr(whole_row, "run_check", checked)
     backend = registry.get_backend("conv", "torch")
     signature = contract_of("conv").default_signature(torch.float32, "cuda")
     result = selector.local_verdict(backend, signature, torch.device("cuda"), True)

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.ops.dispatch.selector import is_discovering
+from hybrid_pack.ops.dispatch.discovery import is_discovering
 from hybrid_pack.schema import BOUNDARIES
 
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.ops import decay_linear_attention
-from hybrid_pack.ops.dispatch.contract import make_signature
-from hybrid_pack.ops.dispatch.cp_check import rank_arguments
+from hybrid_pack.ops.selfcheck.contract import make_signature
+from hybrid_pack.ops.selfcheck.sharded_row import rank_arguments
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import gradients, op_inputs, projection, run
 from tests.workers.cp_recurrent import LAYOUTS, _ending_here, _worst

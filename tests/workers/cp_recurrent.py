@@ -10,6 +10,7 @@ the messages of the bad-input checks.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -20,7 +21,8 @@ from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops import gated_delta_rule
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.cp_check import cp_check, rank_arguments
+from hybrid_pack.ops.dispatch.registry import contract_of
+from hybrid_pack.ops.selfcheck.sharded_row import cp_check, rank_arguments
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import (
     Layout,
@@ -160,8 +162,10 @@ def collective_check(rank: int, world_size: int) -> dict[str, str]:
         raise RuntimeError("kernel failed to compile")
 
     candidates = {"sound": reference, "wrong_on_rank_0": wrong_on_rank_0, "raises": raises}
-    return {name: cp_check(Backend("gated_delta", f"test_{name}", fn, priority=0, sharded=True), signature,
-                           torch.device("cpu"), True, None, rank, world_size).reason
+    torch_path = functools.partial(reference, backend="torch")
+    return {name: cp_check(Backend("gated_delta", f"test_{name}", fn, priority=0, sharded=True), torch_path,
+                           contract_of("gated_delta"), signature, torch.device("cpu"), True, None, rank,
+                           world_size).reason
             for name, fn in candidates.items()}
 
 

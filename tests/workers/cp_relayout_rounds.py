@@ -28,9 +28,9 @@ from hybrid_pack import PackedBoundaries
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.ops import decay_linear_attention, gated_delta_rule, kda, mamba2_ssd
 from hybrid_pack.ops.cp.relayout import to_contiguous, to_layout
-from hybrid_pack.ops.dispatch.contract import make_signature
 from hybrid_pack.ops.gated_delta.cp import gated_delta_rule_cp
 from hybrid_pack.ops.selective_scan import selective_scan
+from hybrid_pack.ops.selfcheck.contract import make_signature
 from hybrid_pack.parallel import ShardedBoundaries
 from tests.kit import gated_delta_signature, op_inputs, ssd_signature
 from tests.workers.cp_selective_scan import TOKEN_INPUTS as SCAN_TOKEN_INPUTS

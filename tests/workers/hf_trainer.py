@@ -21,7 +21,7 @@ from transformers import TrainingArguments
 from hybrid_pack import packed_loss
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.integrations.transformers.trainer import PackedTrainer
-from hybrid_pack.ops.dispatch.selector import is_discovering
+from hybrid_pack.ops.dispatch.discovery import is_discovering
 from tests.workers.launch import exit_without_finalizing
 
 NUM_EXAMPLES = 240

@@ -2,7 +2,7 @@
 context-parallel shape (one document's queries over more keys than queries, :mod:`.partial`).
 
 A backend with a partial form (:func:`~hybrid_pack.ops.attention.partial.partial_attention_of`) passes the
-generic check (:mod:`hybrid_pack.ops.dispatch.selfcheck`) and :func:`check_partial`: causal with the diagonal
+generic check (:mod:`hybrid_pack.ops.selfcheck.whole_row`) and :func:`check_partial`: causal with the diagonal
 bottom right over ``Tk > Tq`` keys (the signature's window included), and earlier keys in two parts merged by
 log-sum-exp, forward and backward against the blockwise form in float64. Until it passes, it serves neither.
 """
@@ -16,7 +16,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.isolation import GRADIENT_FACTOR, compare, self_check_tolerance
 from hybrid_pack.ops.attention.partial import BLOCKWISE, PartialAttention, partial_attention_of
-from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
+from hybrid_pack.ops.selfcheck.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
 
 __all__ = ["OP", "CONTRACT", "signature_of", "make_inputs", "check_partial"]
 
@@ -123,7 +123,7 @@ def check_partial(partial: PartialAttention, case: CheckCase, generator: torch.G
 def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Generator, backend: Any,
            reference: Any, contract: OpContract, requires_grad: bool) -> float:
     """The generic check, then :func:`check_partial` for a backend with a partial form of its own."""
-    from hybrid_pack.ops.dispatch.selfcheck import _check as whole_row_check
+    from hybrid_pack.ops.selfcheck.whole_row import _check as whole_row_check
 
     worst = whole_row_check(case, boundaries, generator, backend, reference, contract, requires_grad)
     partial = partial_attention_of(backend.name)

@@ -36,7 +36,8 @@ from hybrid_pack.ops.attention.partial import PartialAttention, attend, partial_
 from hybrid_pack.ops.attention.ring import ring_attention, ring_plan
 from hybrid_pack.ops.cp.exchange import with_preceding_tokens
 from hybrid_pack.ops.dispatch import verdicts
-from hybrid_pack.ops.dispatch.selector import forced_context, recording_keys, resolve
+from hybrid_pack.ops.dispatch.discovery import recording_keys
+from hybrid_pack.ops.dispatch.selector import forced_context, resolve
 
 __all__ = ["varlen_attention_cp"]
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -13,26 +11,13 @@ from typing import Any
 
 import torch
 
-from hybrid_pack.ops.dispatch.contract import dtype_name
+from hybrid_pack.ops.selfcheck.contract import dtype_name
+from hybrid_pack.ops.selfcheck.kept import code_fingerprint
 
 __all__ = ["Backend", "FLOAT_DTYPES", "KERNEL_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _stable_repr(value: Any) -> str:
-    """A value a kernel closes over, the same in every process (no memory address)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return repr(value)
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(map(_stable_repr, value)) + ")"
-    if callable(value):
-        try:
-            return f"{getattr(value, '__qualname__', '')}:{inspect.getsource(value)}"
-        except (OSError, TypeError):
-            return getattr(value, "__qualname__", type(value).__name__)
-    return type(value).__qualname__
 
 
 def _imported(impl: Callable[..., Any] | str) -> Callable[..., Any]:
@@ -84,21 +69,8 @@ class Backend:
 
     @cached_property
     def fingerprint(self) -> str:
-        """``module:function@hash`` of the code that runs and the values it closes over (names a kept result)."""
-        fn = self.fn
-        target = getattr(fn, "func", fn)  # functools.partial
-        try:
-            source = inspect.getsource(target)
-        except (OSError, TypeError):
-            source = repr(target)
-        bound = [*getattr(fn, "args", ()), *getattr(fn, "keywords", {}).values()]
-        for cell in getattr(target, "__closure__", None) or ():
-            try:
-                bound.append(cell.cell_contents)
-            except ValueError:  # a cell not yet filled
-                bound.append(None)
-        digest = hashlib.sha1((source + "".join(map(_stable_repr, bound))).encode()).hexdigest()[:12]
-        return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}@{digest}"
+        """``module:function@hash`` of the code that runs (names a kept result)."""
+        return code_fingerprint(self.fn)
 
     @cached_property
     def environment_reason(self) -> str:
@@ -125,17 +97,3 @@ class Backend:
         if self._reasons[key] or self.device_probe is None:
             return self._reasons[key]
         return self.device_probe(device, dtype)
-
-    @property
-    def usable_here(self) -> str:
-        """"" if it can run on some device of this machine, else why not."""
-        if self.environment_reason:
-            return self.environment_reason
-        here = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        if not any(d in self.devices for d in here):
-            return f"needs a {'/'.join(self.devices)} device; this machine has {'/'.join(here)}"
-        if self.device_probe is not None:
-            reasons = [self.device_probe(torch.device(d), torch.float32) for d in here if d in self.devices]
-            if all(reasons):
-                return reasons[0]
-        return ""

@@ -1,9 +1,8 @@
-"""The registry of ops (their self-check contracts) and of each op's backends, and what they can do here."""
+"""The registry of ops (their self-check contracts) and of each op's backends, highest priority first."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,11 +10,10 @@ import torch
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import KERNEL_DTYPES, Backend
-from hybrid_pack.ops.dispatch.contract import OpContract
-from hybrid_pack.ops.dispatch.verdicts import CheckResult
+from hybrid_pack.ops.selfcheck.contract import OpContract
 
 __all__ = ["register_op", "registered_ops", "contract_of", "register", "unregister", "backends_of", "get_backend",
-           "reference_of", "BackendStatus", "available", "default_device"]
+           "reference_of", "default_device"]
 
 _CONTRACTS: dict[str, OpContract] = {}
 _BACKENDS: dict[str, list[Backend]] = {}
@@ -34,13 +32,9 @@ def registered_ops() -> tuple[str, ...]:
     return tuple(_CONTRACTS)
 
 
-def _check_op(op: str) -> None:
+def contract_of(op: str) -> OpContract:
     if op not in _CONTRACTS:
         raise InputError(f"op: expected one of {list(_CONTRACTS)}; got {op!r}")
-
-
-def contract_of(op: str) -> OpContract:
-    _check_op(op)
     return _CONTRACTS[op]
 
 
@@ -54,20 +48,19 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
     raising; ``details``: the other :class:`Backend` fields. Returns the registered backend."""
     if isinstance(op, Backend):
         backend = op
+    elif name is None or fn is None or priority is None:
+        raise InputError("register: expected register(op, name, fn, priority=...)")
     else:
-        if name is None or fn is None or priority is None:
-            raise InputError("register: expected register(op, name, fn, priority=...)")
         backend = Backend(op=op, name=name, impl=fn, priority=int(priority), devices=tuple(devices),
                           dtypes=tuple(dtypes), backward=backward, **details)
-    _check_op(backend.op)
+    contract_of(backend.op)
     if backend.reference and backend.sharded:
         raise InputError(f"sharded: the reference backend of {backend.op!r} serves whole rows; a sharded row's "
                          "reference is the op's own context-parallel path")
-    existing = [b for b in _BACKENDS[backend.op] if b.name == backend.name]
-    if existing and not replace:
-        raise InputError(f"name: backend {backend.name!r} is already registered for op {backend.op!r} "
-                         "(pass replace=True to replace it)")
-    if existing:
+    if any(b.name == backend.name for b in _BACKENDS[backend.op]):
+        if not replace:
+            raise InputError(f"name: backend {backend.name!r} is already registered for op {backend.op!r} "
+                             "(pass replace=True to replace it)")
         unregister(backend.op, backend.name)
     backend.static_fn  # noqa: B018  (resolved now: a compiled graph reads it while tracing)
     _BACKENDS[backend.op].append(backend)
@@ -87,7 +80,7 @@ def unregister(op: str, name: str) -> Backend:
 def backends_of(op: str, *, sharded: bool | None = False) -> list[Backend]:
     """The backends of ``op``, highest priority first: those serving whole rows (default), those serving
     sharded rows (``sharded=True``), or all (``sharded=None``)."""
-    _check_op(op)
+    contract_of(op)
     return [b for b in _BACKENDS[op] if sharded is None or b.sharded == sharded]
 
 
@@ -107,34 +100,5 @@ def reference_of(op: str) -> Backend:
     raise InputError(f"op: {op!r} has no reference (pure-torch) backend registered")
 
 
-@dataclass(frozen=True)
-class BackendStatus:
-    """One row of :func:`available`: ``usable`` (it can run here and did not fail every check it took), ``reason``
-    (why not), and the known self-check results ``checks``."""
-
-    op: str
-    backend: str
-    usable: bool
-    reason: str
-    boundary_arg: str
-    priority: int
-    backward: bool
-    checks: tuple[CheckResult, ...] = field(default=())
-
-
-def available(op: str | None = None) -> list[BackendStatus]:
-    """Every backend of ``op`` (or of every op), whether it can run on this machine, and why not."""
-    rows = []
-    for name in registered_ops() if op is None else (op,):
-        for b in backends_of(name, sharded=None):
-            known = not b.environment_reason and verdicts.results(b.op, b.name)  # else no fingerprint to compute
-            checks = tuple(verdicts.results(b.op, b.name, b.fingerprint)) if known else ()
-            failed = [c for c in checks if not c.ok]
-            why = b.usable_here or (failed[-1].reason if failed and len(failed) == len(checks) else "")
-            rows.append(BackendStatus(b.op, b.name, not why, why, b.boundary_arg, b.priority, b.backward, checks))
-    return rows
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-

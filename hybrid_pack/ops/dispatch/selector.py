@@ -4,8 +4,7 @@ A kernel serves a call only with a *settled* verdict for the call's key (op, bac
 settled by the warm-up :func:`hybrid_pack.backends.verify`, or in a single eager process by the key's first call.
 Where no check may run (``torch.distributed``, a trace, a CUDA graph capture) an unsettled kernel raises
 :class:`WarmUpError`. An automatic choice skips a backend that cannot run, refuses the inputs or failed its check
-(logged once); a forced one raises :class:`BackendUnavailableError` instead.
-"""
+(logged once); a forced one raises :class:`BackendUnavailableError` instead."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import functools
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -24,16 +22,17 @@ import torch
 
 from hybrid_pack.distributed import distributed
 from hybrid_pack.errors import BackendUnavailableError, InputError
-from hybrid_pack.ops.dispatch import verdicts
+from hybrid_pack.ops.dispatch import discovery, verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import Signature, dtype_name, signature_text
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, get_backend, reference_of, registered_ops
-from hybrid_pack.ops.dispatch.selfcheck import run_check
-from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
+from hybrid_pack.ops.selfcheck import kept
+from hybrid_pack.ops.selfcheck.contract import Signature, dtype_name, signature_text
+from hybrid_pack.ops.selfcheck.kept import VerdictKey
+from hybrid_pack.ops.selfcheck.result import CheckResult, device_name
+from hybrid_pack.ops.selfcheck.whole_row import run_check_apart
 
-__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "Wanted", "WarmUpError", "resolve", "select", "use_backends",
-           "verification_enabled", "verdict_key", "local_verdict", "decisions", "discovering", "is_discovering",
-           "recording_keys", "resolve_invariant", "forced_context", "tracing", "wanted", "discovery_ran"]
+__all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "WarmUpError", "resolve", "select", "use_backends", "forcing",
+           "verification_enabled", "verdict_key", "local_verdict", "decisions", "forced_context", "tracing"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -42,7 +41,6 @@ WARM_UP = "hybrid_pack.backends.verify(model=model, batch=batch)"
 logger = logging.getLogger("hybrid_pack.backends")
 _logged: set[tuple[str, str, str]] = set()
 _forced: ContextVar[Mapping[str, str]] = ContextVar("hybrid_pack_forced_backends", default=MappingProxyType({}))
-_discovering: ContextVar[str] = ContextVar("hybrid_pack_discovering_keys", default="")
 
 
 class WarmUpError(BackendUnavailableError):
@@ -65,21 +63,7 @@ class Decision:
     forced: bool = False
 
 
-@dataclass(frozen=True)
-class Wanted:
-    """A call key met while discovering, as the ranks exchange it; ``group_ranks``: a sharded call's group."""
-
-    op: str
-    device_type: str
-    dtype: str
-    requires_grad: bool
-    signature: Signature
-    group_ranks: tuple[int, ...] = ()
-
-
 _decisions: dict[tuple[Any, ...], Decision] = {}
-_wanted: dict[Wanted, Any] = {}  # an ordered set; a sharded key maps to its process group
-_discovered = False
 
 
 def verification_enabled() -> bool:
@@ -93,7 +77,7 @@ def tracing() -> bool:
 
 
 def _log_once(op: str, name: str, why: str) -> None:
-    if (op, name, why) not in _logged and not recording_keys():
+    if (op, name, why) not in _logged and not discovery.recording_keys():
         _logged.add((op, name, why))
         logger.warning("%s: skipping backend %r: %s", op, name, why)
 
@@ -123,7 +107,7 @@ def _parse_env(raw: str) -> dict[str, str]:
     return _check_forced(pairs, ENV_VAR)
 
 
-def _forcing(op: str, backend: str | None) -> tuple[str | None, str]:
+def forcing(op: str, backend: str | None) -> tuple[str | None, str]:
     """``(backend, source)`` forced for ``op``: by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS``."""
     if backend is not None:
         return backend, "backend="
@@ -146,8 +130,7 @@ def use_backends(**forced: str) -> Iterator[None]:
         verdicts.changed()
 
 
-forced_context = _forced.get
-"""``forced_context()``: the backends :func:`use_backends` forces here (one ``ContextVar`` read per call)."""
+forced_context = _forced.get  # the backends use_backends() forces here (one ContextVar read per call)
 
 
 # -- the evidence a kernel serves on
@@ -156,38 +139,23 @@ def verdict_key(backend: Backend, signature: Signature, device: torch.device, re
                 group_ranks: tuple[int, ...] = ()) -> VerdictKey:
     """What a verdict is valid for: the backend's code, the device, the signature (and a sharded call's group)."""
     text = signature_text(signature) + (f" cp_ranks={','.join(map(str, group_ranks))}" if group_ranks else "")
-    return VerdictKey(backend.op, backend.name, backend.fingerprint, verdicts.device_name(device), text, requires_grad)
+    return VerdictKey(backend.op, backend.name, backend.fingerprint, device_name(device), text, requires_grad)
 
 
 def local_verdict(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool, *,
                   check: bool = True) -> CheckResult | None:
     """This rank's own verdict for the key: kept in the process or on disk (for a call without gradients, a passed
-    check with them), else (``check``) checked now, on this
-    rank only, on a thread of its own (the caller's grad mode, autocast, hooks and dispatch modes do not reach it;
-    it takes the caller's CUDA device), and kept (on disk too, unless it ran out of memory)."""
+    check with them), else (``check``) checked now on this rank only, apart from the caller, and kept."""
     key = verdict_key(backend, signature, device, requires_grad)
-    known = verdicts.lookup(verdicts.recall, key, failed_too=False)
+    known = kept.lookup(kept.recall, key, failed_too=False)
     if known is not None or not check:
         return known
     if tracing():
         raise WarmUpError(f"{backend.op} backend {backend.name!r}: a self-check cannot run inside a CUDA graph "
                           f"capture or a torch.compile trace; call {WARM_UP} before it")
-    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
-
-    def target() -> CheckResult:
-        if index is not None:
-            torch.cuda.set_device(index)
-        return run_check(backend, reference_of(backend.op), contract_of(backend.op), signature, device, requires_grad)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="hybrid_pack-selfcheck") as thread:
-        future = thread.submit(target)
-    try:
-        result, persist = future.result(), True
-    except torch.cuda.OutOfMemoryError as error:
-        result, persist = CheckResult(backend.op, backend.name, False, f"ran out of memory in its self-check "
-                                      f"({error})", float("nan"), 0.0, key.device, signature=key.signature,
-                                      requires_grad=requires_grad), False
-    verdicts.remember(key, result, persist=persist)
+    result, persist = run_check_apart(backend, reference_of(backend.op), contract_of(backend.op), signature, device,
+                                      requires_grad)
+    kept.remember(key, result, persist=persist)
     return result
 
 
@@ -195,12 +163,12 @@ def _evidence(backend: Backend, signature: Signature, device: torch.device, dtyp
               requires_grad: bool, group_ranks: tuple[int, ...], group: Any, strict: bool, traced: bool) -> str:
     """Why ``backend`` may not serve for want of evidence ("" when its settled verdict passed). An unsettled key is
     settled now in a single eager process, recorded while discovering, else (``strict``) raises WarmUpError."""
-    known = verdicts.lookup(verdicts.SETTLED.get, verdict_key(backend, signature, device, requires_grad, group_ranks))
+    known = kept.lookup(verdicts.SETTLED.get, verdict_key(backend, signature, device, requires_grad, group_ranks))
     if known is not None:
         return known.reason
-    if recording_keys():
-        _wanted.setdefault(Wanted(backend.op, device.type, dtype_name(dtype), requires_grad, signature, group_ranks),
-                           group)
+    if discovery.recording_keys():
+        discovery.record(discovery.Wanted(backend.op, device.type, dtype_name(dtype), requires_grad, signature,
+                                          group_ranks), group)
         return "not settled yet (the warm-up's discovery pass)"
     traced = traced or tracing()
     if not distributed() and not group_ranks:
@@ -210,8 +178,8 @@ def _evidence(backend: Backend, signature: Signature, device: torch.device, dtyp
                  else "a run under torch.distributed")
         again = ("; the warm-up that ran met no call of this key (another dtype or sizes, or a call without "
                  "gradients before any with them): run it on a batch like this one too" if verdicts.SETTLED else "")
-        why = (f"no verdict settled for {signature_text(signature)} on {verdicts.device_name(device)}, and none "
-               f"may be taken in {where}: call {WARM_UP} (every rank, before the first forward{again})")
+        why = (f"no verdict settled for {signature_text(signature)} on {device_name(device)}, and none may be taken "
+               f"in {where}: call {WARM_UP} (every rank, before the first forward{again})")
         if strict:
             raise WarmUpError(f"{backend.op}: backend {backend.name!r} could serve this call but {why}")
         return why
@@ -234,7 +202,7 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
     could serve raises :class:`WarmUpError` (else it is skipped). Raises BackendUnavailableError.
     """
     device = torch.device(device)
-    forced, source = _forcing(op, backend)
+    forced, source = forcing(op, backend)
     signature = signature if signature is not None else contract_of(op).default_signature(dtype, device.type)
     ranks, group = sharded if sharded is not None else ((), None)
 
@@ -276,31 +244,10 @@ def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signatur
             skipped: list[tuple[str, str]], refused: list[tuple[str, str]], *, forced: bool) -> Backend:
     text = signature_text(signature)
     key = (chosen.op, str(device), text, requires_grad, chosen.name, tuple(refused))
-    if key not in _decisions and not recording_keys():
-        _decisions[key] = Decision(chosen.op, chosen.name, verdicts.device_name(device), text, requires_grad,
-                                   tuple(skipped), tuple(refused), forced)
+    if key not in _decisions and not discovery.recording_keys():
+        _decisions[key] = Decision(chosen.op, chosen.name, device_name(device), text, requires_grad, tuple(skipped),
+                                   tuple(refused), forced)
     return chosen
-
-
-def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
-                      backend: str | None) -> Backend:
-    """Inside :func:`hybrid_pack.batch_invariant`: the pure-torch backend (no check proves a kernel batch-invariant,
-    docs/api.md §7d; a usable kernel is logged once). Raises BackendUnavailableError for a forced kernel."""
-    forced, source = _forcing(op, backend)
-    reference = reference_of(op)
-    if forced is not None and forced != reference.name:
-        raise BackendUnavailableError(f"{op} backend {forced!r} (forced by {source}) cannot serve inside "
-                                      f"batch_invariant(): no self-check proves it batch-invariant; force "
-                                      f"{reference.name!r} or leave the backend to the selector")
-    why = reference.reason(device, dtype, requires_grad)
-    if why:
-        raise BackendUnavailableError(f"{op}: inside batch_invariant() only backend {reference.name!r} serves, and "
-                                      f"it cannot run here: {why}")
-    kernels = [b.name for b in backends_of(op) if not b.reference and not b.reason(device, dtype, requires_grad)]
-    if kernels:
-        _log_once(op, ", ".join(kernels), "inside batch_invariant() kernels do not serve (no self-check proves "
-                  f"them batch-invariant); {reference.name!r} runs")
-    return reference
 
 
 def decisions() -> list[Decision]:
@@ -311,48 +258,3 @@ def decisions() -> list[Decision]:
 def select(op: str, *, device: torch.device | str, dtype: torch.dtype, requires_grad: bool = False) -> str:
     """The name of the backend that will run ``op`` for a typical call on ``device`` with ``dtype``."""
     return resolve(op, device=device, dtype=dtype, requires_grad=requires_grad).name
-
-
-# -- the warm-up's discovery of the keys a model needs
-
-def is_discovering() -> bool:
-    """Whether this call runs in the warm-up's own pass of the model (no training call)."""
-    return _discovering.get() == "replay"
-
-
-def recording_keys() -> bool:
-    """Whether this call runs inside :func:`discovering` (either kind)."""
-    return bool(_discovering.get())
-
-
-@contextlib.contextmanager
-def discovering(*, training_step: bool = False) -> Iterator[None]:
-    """Inside the block, a call whose key has no settled verdict records it (for :func:`hybrid_pack.backends.verify`)
-    and runs on the pure-torch backends; no check runs, nothing is logged and no choice is kept. ``training_step``:
-    the block is a real step, of training or evaluation (several forwards one batch cannot replay), followed by
-    ``verify()``."""
-    global _discovered
-    token = _discovering.set("step" if training_step else "replay")
-    try:
-        yield
-    finally:
-        _discovering.reset(token)
-        _discovered = True
-
-
-def discovery_ran(*, clear: bool = False) -> bool:
-    """Whether a :func:`discovering` block ran since the last warm-up (which met no key when :func:`wanted` is
-    empty); ``clear``: forget it."""
-    global _discovered
-    ran = _discovered
-    if clear:
-        _discovered = False
-    return ran
-
-
-def wanted(*, clear: bool = False) -> list[tuple[Wanted, Any]]:
-    """The keys met while discovering since the last warm-up, first met first (``clear``: forget them)."""
-    keys = list(_wanted.items())
-    if clear:
-        _wanted.clear()
-    return keys

@@ -4,6 +4,7 @@ it passed on every rank (docs/api.md §5a, §9b); calls then look their backend 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,20 +13,15 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from hybrid_pack.distributed import distributed, share_objects
-from hybrid_pack.ops.dispatch import verdicts
-from hybrid_pack.ops.dispatch.contract import dtype_name
-from hybrid_pack.ops.dispatch.cp_check import cp_check
+from hybrid_pack.ops.dispatch import discovery, verdicts
+from hybrid_pack.ops.dispatch.discovery import Wanted
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, registered_ops
-from hybrid_pack.ops.dispatch.selector import (
-    Wanted,
-    discovering,
-    discovery_ran,
-    local_verdict,
-    verdict_key,
-    verification_enabled,
-    wanted,
-)
-from hybrid_pack.ops.dispatch.verdicts import CheckResult, VerdictKey
+from hybrid_pack.ops.dispatch.route import route_of
+from hybrid_pack.ops.dispatch.selector import local_verdict, verdict_key, verification_enabled
+from hybrid_pack.ops.selfcheck.contract import dtype_name
+from hybrid_pack.ops.selfcheck.kept import VerdictKey
+from hybrid_pack.ops.selfcheck.result import CheckResult
+from hybrid_pack.ops.selfcheck.sharded_row import cp_check
 
 __all__ = ["verify"]
 
@@ -38,20 +34,19 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
     Call it once before the first forward; under ``torch.distributed`` every rank calls it (collective). The keys:
     those one eager pass of ``model(**batch)`` on the pure-torch backends meets (with its backward; under
     ``torch.no_grad()`` the calls without gradients, as an evaluation makes them), and those met inside
-    :func:`~.selector.discovering`; with no such pass, each op's typical signature per ``dtype`` (default: bfloat16
+    :func:`~.discovery.discovering`; with no such pass, each op's typical signature per ``dtype`` (default: bfloat16
     and float32 on CUDA, float32 on CPU) on ``device``, the pure-torch backends included. ``op``: only its keys;
     ``progress``: a progress bar (default: when stderr is a terminal). Returns the verdicts this rank settled.
     """
     device = default_device() if device is None else torch.device(device)
     if model is not None:  # one eager pass on the pure-torch backends records the keys; gradients, random reset
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with discovering(), torch.compiler.set_stance("force_eager"), torch.random.fork_rng(devices=cuda):
+        with discovery.discovering(), torch.compiler.set_stance("force_eager"), torch.random.fork_rng(devices=cuda):
             loss = _scalar(model(**(batch or {})))
             if loss.requires_grad:
                 loss.backward()
         model.zero_grad(set_to_none=True)
-    discovered = discovery_ran(clear=True)
-    met = dict(wanted(clear=True))
+    discovered, met = discovery.take()
     groups = {c.group_ranks: group for c, group in met.items() if c.group_ranks}
     calls = [c for c in met if op is None or c.op == op]
     sharded_here = {c for c in calls if c.group_ranks}
@@ -110,7 +105,8 @@ def _settle_sharded(calls: list[Wanted], device: torch.device, groups: dict[tupl
         for backend in backends_of(call.op, sharded=True):
             if not all(share_objects(not backend.reason(device, dtype, call.requires_grad), group)):
                 continue
-            result = cp_check(backend, call.signature, device, call.requires_grad, group,
+            result = cp_check(backend, functools.partial(route_of(call.op).public, backend="torch"),
+                              contract_of(call.op), call.signature, device, call.requires_grad, group,
                               dist.get_group_rank(group or dist.group.WORLD, rank), len(call.group_ranks))
             verdicts.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)
             out.append(result)

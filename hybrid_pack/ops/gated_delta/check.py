@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
 from hybrid_pack.ops.gated_delta.kernel_fla import KERNEL_CHUNK_SIZE
+from hybrid_pack.ops.selfcheck.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
 
 __all__ = ["OP", "CONTRACT", "signature_of", "make_inputs"]
 

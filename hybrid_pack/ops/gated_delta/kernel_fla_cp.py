@@ -12,7 +12,7 @@ each refused with the reason by :func:`fla_cp_refusal`:
 * batch 1 and a row length divisible by the group's size (every :class:`ShardedBoundaries` is).
 
 Registered as the op's sharded backend ``fla_cp``: it serves a call only with the group's settled verdict of
-its collective self-check (:mod:`hybrid_pack.ops.dispatch.cp_check`, run by ``hybrid_pack.backends.verify()``).
+its collective self-check (:mod:`hybrid_pack.ops.selfcheck.sharded_row`, run by ``hybrid_pack.backends.verify()``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, compare, self_check_tolerance
 from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
+from hybrid_pack.ops.selfcheck.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
 from hybrid_pack.schema import IGNORE_INDEX
 
 __all__ = ["OP", "CONTRACT", "DEFAULT_CHUNK_SIZE", "signature_of", "make_inputs", "check_loss"]

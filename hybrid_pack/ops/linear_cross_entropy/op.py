@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from hybrid_pack.errors import InputError
-from hybrid_pack.ops.dispatch.contract import dtype_name
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.linear_cross_entropy.check import DEFAULT_CHUNK_SIZE, OP, signature_of
+from hybrid_pack.ops.selfcheck.contract import dtype_name
 from hybrid_pack.ops.validate import needs_grad
 from hybrid_pack.schema import IGNORE_INDEX
 

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.ops.dispatch.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
 from hybrid_pack.ops.selective_scan.torch_backend import CHUNK_SIZE
+from hybrid_pack.ops.selfcheck.contract import CheckCase, OpContract, Signature, make_signature, random_tensor
 
 __all__ = ["OP", "CONTRACT", "signature_of", "make_inputs"]
 

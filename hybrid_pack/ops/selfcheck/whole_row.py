@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,8 +21,7 @@ from hybrid_pack.isolation import (
     self_check_tolerance,
     selfcheck_layout,
 )
-from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import (
+from hybrid_pack.ops.selfcheck.contract import (
     CheckCase,
     OpContract,
     Signature,
@@ -29,9 +29,9 @@ from hybrid_pack.ops.dispatch.contract import (
     projection_weights,
     signature_text,
 )
-from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
+from hybrid_pack.ops.selfcheck.result import CheckResult, Implementation, device_name
 
-__all__ = ["run_check"]
+__all__ = ["run_check", "run_check_apart"]
 
 
 def _loss(tokens: list[torch.Tensor], states: list[torch.Tensor], token_weights: list[torch.Tensor],
@@ -47,8 +47,8 @@ def _gradients(loss: torch.Tensor, args: dict[str, object], names: Sequence[str]
     return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
 
 
-def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Generator, backend: Backend,
-           reference: Backend, contract: OpContract, requires_grad: bool) -> float:
+def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Generator, backend: Implementation,
+           reference: Implementation, contract: OpContract, requires_grad: bool) -> float:
     """Run the three checks; return the largest error seen or raise :class:`~hybrid_pack.isolation.Mismatch`."""
     tolerance = self_check_tolerance([case.precision()])
     grad_names = case.floats() if requires_grad else []
@@ -91,7 +91,7 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
                               names=[f"gradient of {name}" for name in grad_names]))
 
 
-def run_check(backend: Backend, reference: Backend, contract: OpContract, signature: Signature,
+def run_check(backend: Implementation, reference: Implementation, contract: OpContract, signature: Signature,
               device: torch.device, requires_grad: bool, *, layout: Layout | None = None) -> CheckResult:
     """Check ``backend`` for calls of ``signature`` on ``device`` (with backward if ``requires_grad``); ``layout``
     replaces the short row. Raises torch.cuda.OutOfMemoryError (no verdict on the kernel)."""
@@ -116,3 +116,25 @@ def run_check(backend: Backend, reference: Backend, contract: OpContract, signat
                        seconds=time.perf_counter() - began, device=device_name(device),
                        dtype=dtype_name(case.precision()), signature=signature_text(signature),
                        requires_grad=requires_grad)
+
+
+def run_check_apart(backend: Implementation, reference: Implementation, contract: OpContract, signature: Signature,
+                    device: torch.device, requires_grad: bool) -> tuple[CheckResult, bool]:
+    """:func:`run_check` on a thread of its own (the caller's grad mode, autocast, hooks and dispatch modes do not
+    reach it; it takes the caller's CUDA device). ``(result, keep)``: a check that ran out of memory fails, but is no
+    verdict on the kernel to keep on disk."""
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
+
+    def target() -> CheckResult:
+        if index is not None:
+            torch.cuda.set_device(index)
+        return run_check(backend, reference, contract, signature, device, requires_grad)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="hybrid_pack-selfcheck") as thread:
+        future = thread.submit(target)
+    try:
+        return future.result(), True
+    except torch.cuda.OutOfMemoryError as error:
+        return CheckResult(backend.op, backend.name, False, f"ran out of memory in its self-check ({error})",
+                           float("nan"), 0.0, device_name(device), signature=signature_text(signature),
+                           requires_grad=requires_grad), False

@@ -6,7 +6,6 @@ group's timeout ends the job."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,11 +15,8 @@ import torch
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.distributed import agree_max
 from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row, compare, self_check_tolerance
-from hybrid_pack.ops.dispatch.backend import Backend
-from hybrid_pack.ops.dispatch.contract import CheckCase, Signature, projection_weights, signature_text
-from hybrid_pack.ops.dispatch.registry import contract_of
-from hybrid_pack.ops.dispatch.route import route_of
-from hybrid_pack.ops.dispatch.verdicts import CheckResult, device_name
+from hybrid_pack.ops.selfcheck.contract import CheckCase, OpContract, Signature, projection_weights, signature_text
+from hybrid_pack.ops.selfcheck.result import CheckResult, Implementation, device_name
 
 __all__ = ["adversarial_cp_row", "cp_check", "rank_arguments"]
 
@@ -32,11 +28,11 @@ def rank_arguments(case: CheckCase, sharded: ShardedBoundaries) -> dict[str, Any
     return case.leaves(case.floats(), case.sliced(case.arguments, tokens, documents))
 
 
-def _outputs_and_grads(op: str, fn: Callable[..., Any], case: CheckCase, sharded: ShardedBoundaries,
+def _outputs_and_grads(contract: OpContract, fn: Callable[..., Any], case: CheckCase, sharded: ShardedBoundaries,
                        requires_grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """This rank's token outputs, and (with ``requires_grad``) the gradients of one random projection of them."""
     args = rank_arguments(case, sharded)
-    tokens, _ = contract_of(op).outputs(case.call(fn, sharded, args))
+    tokens, _ = contract.outputs(case.call(fn, sharded, args))
     if not requires_grad:
         return list(tokens), []
     weights = projection_weights(tokens, torch.Generator().manual_seed(1))
@@ -46,18 +42,18 @@ def _outputs_and_grads(op: str, fn: Callable[..., Any], case: CheckCase, sharded
     return list(tokens), [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
 
 
-def cp_check(backend: Backend, signature: Signature, device: torch.device, requires_grad: bool,
-             group: Any, rank: int, world_size: int) -> CheckResult:
-    """The self-check of the sharded ``backend`` for this key: collective, every rank of ``group`` calls it."""
+def cp_check(backend: Implementation, reference: Callable[..., Any], contract: OpContract, signature: Signature,
+             device: torch.device, requires_grad: bool, group: Any, rank: int, world_size: int) -> CheckResult:
+    """The self-check of the sharded ``backend`` for this key against ``reference`` (the op's pure-torch
+    context-parallel path): collective, every rank of ``group`` calls it."""
     began = time.perf_counter()
     row = adversarial_cp_row(world_size, device)
     sharded = ShardedBoundaries.from_row(row, group=group, rank=rank, world_size=world_size)
-    case = contract_of(backend.op).make_case(signature, row, torch.Generator().manual_seed(0))
-    reference = functools.partial(route_of(backend.op).public, backend="torch")
+    case = contract.make_case(signature, row, torch.Generator().manual_seed(0))
     worst = float("nan")
     try:
-        actual, actual_grads = _outputs_and_grads(backend.op, backend.fn, case, sharded, requires_grad)
-        expected, expected_grads = _outputs_and_grads(backend.op, reference, case, sharded, requires_grad)
+        actual, actual_grads = _outputs_and_grads(contract, backend.fn, case, sharded, requires_grad)
+        expected, expected_grads = _outputs_and_grads(contract, reference, case, sharded, requires_grad)
         tolerance = self_check_tolerance([case.precision()])
         worst = compare("outputs", actual, expected, tolerance)
         worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))
