@@ -298,6 +298,23 @@ def _lengths(text: str) -> list[int]:
                          ) from None
 
 
+def _device(text: str | None) -> Any:
+    """``--device`` as a ``torch.device`` (default: cuda if available); InputError naming it when it cannot be
+    used here."""
+    import torch
+
+    from hybrid_pack.errors import InputError
+
+    try:
+        device = torch.device(text or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise InputError(f"--device: expected cpu, cuda, cuda:1 ...; got {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device: {text!r}, but this torch ({torch.__version__}) sees no CUDA device; pass "
+                         "--device cpu")
+    return device
+
+
 def _run_check(args: argparse.Namespace) -> int:
     import torch
 
@@ -313,7 +330,7 @@ def _run_check(args: argparse.Namespace) -> int:
             report = check_isolation(_load_factory(args.trainer)(), grads=not args.no_grads, seed=args.seed)
         else:
             lengths = None if args.lengths is None else _lengths(args.lengths)
-            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            device = _device(args.device)
             model = _model_for_check(args.model, patch=not args.no_patch, vocab_size=args.vocab_size)
             model = model.to(device, getattr(torch, args.dtype))
             report = check_isolation(model, lengths=lengths, grads=not args.no_grads, seed=args.seed, progress=True)
@@ -330,19 +347,24 @@ def _run_backends(args: argparse.Namespace) -> int:
     from hybrid_pack.backends import report, verify
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    device = _device(args.device)
     failed = False
     if args.verify:
-        results = verify(device=args.device, dtype=dtype, progress=True)
-        print(f"self-checks on {results[0].device if results else args.device}, with backward\n")
-        print(f"{'op':<12} {'backend':<14} {'dtype':<9} {'result':<7} {'max error':>9} {'seconds':>8}")
+        results = verify(device=device, dtype=dtype, progress=True)
+        print(f"self-checks on {results[0].device if results else device}\n")
+        wide = [max(len(text) for text in (name, *(getattr(r, key) for r in results)))
+                for name, key in (("op", "op"), ("backend", "backend"))]
+        print(f"{'op':<{wide[0]}} {'backend':<{wide[1]}} {'dtype':<9} {'checked':<14} {'result':<7} {'max error':>9} "
+              f"{'seconds':>8}")
         for r in results:
-            verdict = "ok" if r.ok else "FAILED"
-            print(f"{r.op:<12} {r.backend:<14} {r.dtype:<9} {verdict:<7} {r.max_error:>9.1e} {r.seconds:>8.2f}")
+            verdict, checked = "ok" if r.ok else "FAILED", "with backward" if r.requires_grad else "forward only"
+            print(f"{r.op:<{wide[0]}} {r.backend:<{wide[1]}} {r.dtype:<9} {checked:<14} {verdict:<7} "
+                  f"{r.max_error:>9.1e} {r.seconds:>8.2f}")
             if not r.ok:
-                print(f"{'':<12} {r.reason}")
+                print(f"{'':<{wide[0]}} {r.reason}")
         failed = not all(r.ok for r in results)
         print()
-    print(report(device=args.device, dtype=dtype or torch.float32))
+    print(report(device=device, dtype=dtype or torch.float32))
     return 1 if failed else 0
 
 
@@ -355,7 +377,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from hybrid_pack.ops.selfcheck.result import device_name
     from hybrid_pack.training.benchmark import run_benchmark
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args.device)
     results: dict[str, Any] = {"device": device_name(device), "environment": environment()}
     if not args.skip_kernels:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

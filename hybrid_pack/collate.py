@@ -127,7 +127,8 @@ class PackingCollator:
     gives the same keys (``host_boundaries`` aside), values, dtypes and types for the same features, ``"pt"`` or
     ``"np"`` (``tests/test_collate_hf.py``). Where it is lenient this class refuses, as documented below and in
     docs/collator.md: a key it does not take (transformers drops it), an empty example (dropped there),
-    ``labels`` in some examples only (read from the first example there).
+    ``labels`` in some examples only (read from the first example there), a negative token id (or an unsigned
+    one above ``2**63 - 1``, which wraps to a negative int64; copied there).
 
     Any other feature key raises :class:`~hybrid_pack.errors.InputError` naming it (nothing is dropped
     silently), except an ``attention_mask`` of all ones, which is checked and dropped (the boundaries
@@ -222,6 +223,7 @@ class PackingCollator:
         boundaries = PackedBoundaries.from_document_lengths(lengths, num_pad_tokens=num_pad)
 
         input_ids = _concat(INPUT_IDS, ids, ids_kind, layout, self.pad_token_id, torch.int64)
+        _refuse_negative_ids(input_ids.numpy()[0, :num_real], boundaries)
         column = _column(docs, LABELS, layout)
         if column is None:
             labels = input_ids.clone()
@@ -440,6 +442,17 @@ def _extra_dtype(key: str, first: Any) -> torch.dtype:
     else:
         floating = np.issubdtype(first.dtype, np.floating)
     return torch.float32 if floating else torch.int64
+
+
+def _refuse_negative_ids(ids: np.ndarray, boundaries: PackedBoundaries) -> None:
+    """Raise InputError naming the first document with a negative token id (an unsigned id above ``2**63 - 1``
+    wraps to one in int64): it indexes no embedding row, and on a GPU fails as a device-side assert."""
+    if ids.size and ids.min() < 0:
+        at = int(np.argmax(ids < 0))
+        doc = int(np.searchsorted(boundaries.cu_seqlens.numpy(), at, side="right")) - 1
+        raise InputError(f"features[{doc}].{INPUT_IDS}: expected token ids >= 0; got {int(ids[at])} at token "
+                         f"{at - int(boundaries.cu_seqlens[doc])} (unsigned ids above 2**63 - 1 wrap to negative "
+                         "int64; ids come from the tokenizer, labels may use -100)")
 
 
 def _concat(key: str, values: list[Any], kind: _Kind, layout: _Layout, fill: int, dtype: torch.dtype) -> torch.Tensor:

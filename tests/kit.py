@@ -358,9 +358,11 @@ def _on_token_outputs(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -
     return fn(result)
 
 
-DEFECTS = ("ignores_boundaries", "gradient_leak", "one_percent_off", "tenth_percent_off", "raises", "backward_raises")
+DEFECTS = ("ignores_boundaries", "gradient_leak", "one_percent_off", "tenth_percent_off", "raises", "backward_raises",
+           "ignores_boundaries_without_grad", "float64_outputs")
 """What :func:`with_defect` can plant: a forward leak, a leak only through the gradient, a 1% error, an
-exception, an exception in the backward pass."""
+exception, an exception in the backward pass, a leak only in calls without gradients (an inference path of its
+own), per-token outputs in float64 whatever the inputs' dtype."""
 
 
 def with_defect(fn: OpFn, defect: str) -> OpFn:
@@ -372,7 +374,8 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
         *tensors, boundaries = args
         if defect == "raises":
             raise RuntimeError("planted failure")
-        if defect == "ignores_boundaries":
+        if defect == "ignores_boundaries" or (defect == "ignores_boundaries_without_grad"
+                                              and not torch.is_grad_enabled()):
             boundaries = PackedBoundaries.from_lengths([boundaries.total_tokens])
             kwargs = {k: v[:1] if k in ("initial_state", "initial_states") and v is not None else v
                       for k, v in kwargs.items()}
@@ -385,6 +388,8 @@ def with_defect(fn: OpFn, defect: str) -> OpFn:
             return _on_token_outputs(result, _GradientLeak.apply)
         if defect == "backward_raises":
             return _on_token_outputs(result, _BackwardRaises.apply)
+        if defect == "float64_outputs":
+            return _on_token_outputs(result, torch.Tensor.double)
         return result
 
     return planted

@@ -340,6 +340,11 @@ MALFORMED = {
     "2-D extra": (_features(f0__response_mask=torch.ones(3, 1, dtype=torch.long)),
                   r"features\[0\]\.response_mask: expected a 1-D"),
     "nested list": ([{"input_ids": [[1, 2, 3]]}], r"features\[0\]\.input_ids: expected a flat list"),
+    "negative id": (_features(f1__input_ids=[4, -3, 5, 6]), r"features\[1\]\.input_ids: expected token ids >= 0; "
+                    r"got -3 at token 1"),
+    "negative tensor id": ([{"input_ids": torch.tensor([-1, 2])}], r"features\[0\]\.input_ids: expected token ids"),
+    "uint64 id above int64": ([{"input_ids": [1]}, {"input_ids": np.array([3, 2**64 - 1], dtype=np.uint64)}],
+                              r"features\[1\]\.input_ids: expected token ids >= 0; got -1 at token 1 \(unsigned"),
     "float tensor ids": ([{"input_ids": torch.ones(3)}], r"features\[0\]\.input_ids: expected values that cast"),
     "float numpy ids": ([{"input_ids": [1, 2]}, {"input_ids": np.ones(3)}],
                         r"features\[1\]\.input_ids: expected values that cast"),

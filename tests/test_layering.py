@@ -74,6 +74,13 @@ def test_no_module_imports_a_layer_above_its_own():
     assert upward == []
 
 
+def test_the_self_check_imports_nothing_of_the_dispatch():
+    """ops/selfcheck proves a backend; ops/dispatch chooses one on that proof: the proof sits below the choice."""
+    upward = [f"{name} -> {imported}" for name, path in MODULES.items() if name.startswith("hybrid_pack.ops.selfcheck")
+              for imported in sorted(_imports(path)) if imported.startswith("hybrid_pack.ops.dispatch")]
+    assert upward == []
+
+
 def test_no_import_cycle_between_modules():
     graph = {name: {m for m in _imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
     cycles = []

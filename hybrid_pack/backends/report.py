@@ -9,7 +9,8 @@ from hybrid_pack.distributed import distributed
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, registered_ops
-from hybrid_pack.ops.dispatch.selector import local_verdict, resolve, verdict_key, verification_enabled
+from hybrid_pack.ops.dispatch.selector import forcing, local_verdict, resolve, verdict_key, verification_enabled
+from hybrid_pack.ops.selfcheck import kept
 from hybrid_pack.ops.selfcheck.contract import dtype_name, signature_text
 from hybrid_pack.ops.selfcheck.kept import cache_dir
 from hybrid_pack.ops.selfcheck.result import device_name
@@ -28,17 +29,24 @@ def _status(backend: Backend, chosen: Backend | None, device: torch.device, dtyp
         return "ok: serves sharded calls (unchecked: HYBRID_PACK_VERIFY=0)"
     if backend.reference:
         return "CHOSEN (pure torch)" if backend is chosen else "ok (pure torch, the fallback)"
-    if not verification_enabled():
-        return "CHOSEN (unchecked: HYBRID_PACK_VERIFY=0)" if backend is chosen else "ok (lower priority, unchecked)"
-    if backend is not chosen and backend.priority < chosen.priority:
-        return "ok (lower priority; not checked)"
     signature = contract_of(backend.op).default_signature(dtype, device.type)
-    verdict = verdicts.SETTLED.get(verdict_key(backend, signature, device, True))
+    key = verdict_key(backend, signature, device, True)
+    verdict = verdicts.SETTLED.get(key) or kept.recall(key)
+    if verdict is not None and not verdict.ok:
+        return f"no: {verdict.reason}"
+    if not verification_enabled():
+        return f"{'CHOSEN' if backend is chosen else 'ok'} (unchecked: HYBRID_PACK_VERIFY=0)"
+    if verdict is None and backend is not chosen and backend.priority < chosen.priority:
+        return "ok (lower priority; not checked)"
     if verdict is None and not distributed():
         verdict = local_verdict(backend, signature, device, True)
     if verdict is None or not verdict.ok:
         return f"no: {verdict.reason if verdict is not None else 'not checked'}"
-    return f"CHOSEN (self-check passed: max error {verdict.max_error:.1e}, {verdict.seconds:.2f} s)"
+    passed = f"self-check passed: max error {verdict.max_error:.1e}, {verdict.seconds:.2f} s"
+    if backend is chosen:
+        return f"CHOSEN ({passed})"
+    forced, source = forcing(backend.op, None)
+    return f"ok ({passed}; {f'{forced!r} forced by {source}' if forced else 'lower priority'})"
 
 
 def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:
@@ -65,7 +73,9 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
         lines += [row(op, backend.name, backend.boundary_arg, _status(backend, chosen, device, dtype))
                   for backend in backends_of(op)]
         typical = signature_text(contract_of(op).default_signature(dtype, device.type))
-        lines.append(f"{'':<{widths[0]}} (typical call: {typical})")
+        forced, source = forcing(op, None)
+        lines.append(f"{'':<{widths[0]}} (typical call: {typical}"
+                     + (f"; {forced!r} forced by {source})" if forced else ")"))
     lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",
               header, "-" * len(header)]
     for op in registered_ops():

@@ -1,4 +1,4 @@
-"""Batch-invariant packing: every document's outputs bitwise independent of its row-mates (docs/api.md §7d).
+"""Batch-invariant packing: every document's outputs bitwise independent of its row-mates (docs/api.md §7e).
 
 Inside :func:`batch_invariant`, every sequence-mixing op runs on its pure-torch backend, whose arithmetic on one
 segment is the same whatever else the row holds:
@@ -35,7 +35,7 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.buckets import Bucket, BucketLayout
-from hybrid_pack.errors import InputError, UnsupportedModelError
+from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.ops.compiler import assume_constant_result
 
 __all__ = ["batch_invariant", "is_batch_invariant", "refuse_in_batch_invariant_mode", "per_document",
@@ -140,15 +140,11 @@ def per_document(op: str, fn: Callable[..., Any], positional: tuple[str, ...], a
         fn: ``fn(*positional tensors, boundaries, **keywords)``, as the route calls a backend.
         positional: the names passed before the boundaries.
         arguments: the call's arguments by name (per-token tensors ``[1, T, ...]``, states ``[N, ...]``).
-        boundaries: the row (a whole row's; else InputError).
+        boundaries: the row.
 
     Returns:
         What ``fn`` returns for the row.
     """
-    if not isinstance(boundaries, PackedBoundaries):
-        raise InputError(f"boundaries: inside batch_invariant() {op} takes a whole row's PackedBoundaries (eager); "
-                         f"got {type(boundaries).__name__} (compiled static rows and rows split across a "
-                         "context-parallel group are not covered by the mode)")
     keywords = {name: value for name, value in arguments.items() if name not in positional}
     if op == "attention":
         keywords["buckets"] = canonical_buckets(boundaries)

@@ -15,6 +15,7 @@ _LAZY = {
     "tool_masks_from_trl": "hybrid_pack.packing.rollouts",
     "PackStream": "hybrid_pack.packing.streaming",
     "SlicedDataset": "hybrid_pack.packing.slicing",
+    "TokenSlice": "hybrid_pack.packing.slicing",
     "TokenCost": "hybrid_pack.packing.balance",
     "tokenize_and_plan": "hybrid_pack.packing.hf_datasets",
     "packing_report": "hybrid_pack.packing.report",

@@ -33,6 +33,7 @@ from torch.utils.data import Sampler
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.balance import BalanceStats, TokenCost, assign_packs, balance_stats, pack_costs
 from hybrid_pack.packing.plan import PackPlan, plan_packs
+from hybrid_pack.packing.slicing import TokenSlice
 
 __all__ = ["PackedBatchSampler"]
 
@@ -105,8 +106,9 @@ class PackedBatchSampler(Sampler[Batch]):
             ``k``, a step's row holds at most ``k * max_documents`` (the static collator's ``max_documents``).
 
     Items are example indices (ints) for ``overflow="error"`` / ``"drop"``. For ``"truncate"`` and
-    ``"split"`` they are ``(index, start, stop)`` token slices: wrap the dataset in
-    :class:`~hybrid_pack.packing.slicing.SlicedDataset`.
+    ``"split"`` they are :class:`~hybrid_pack.packing.slicing.TokenSlice` ``(index, start, stop)`` tuples: wrap the
+    dataset in :class:`~hybrid_pack.packing.slicing.SlicedDataset` (a dataset indexed by example raises a
+    ``TypeError`` saying so).
 
     ``state_dict()`` / ``load_state_dict()`` record ``(epoch, step)``: the batches this sampler has
     yielded in the current epoch. After loading, the next iteration resumes at that step with the
@@ -194,7 +196,8 @@ class PackedBatchSampler(Sampler[Batch]):
         items = np.concatenate([self._items[self._pack_offsets[p]:self._pack_offsets[p + 1]] for p in packs])
         plan = self.plan
         if self._yields_slices:
-            return list(zip(plan.example_index[items].tolist(), plan.start[items].tolist(), plan.stop[items].tolist()))
+            return list(map(TokenSlice, plan.example_index[items].tolist(), plan.start[items].tolist(),
+                            plan.stop[items].tolist()))
         return plan.example_index[items].tolist()
 
     # --------------------------------------------------------------- sampling

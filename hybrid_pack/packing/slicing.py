@@ -10,7 +10,7 @@ the pieces the sampler asks for.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,7 +20,22 @@ from hybrid_pack.errors import InputError
 from hybrid_pack.multimodal import is_multimodal
 from hybrid_pack.schema import INPUT_IDS
 
-__all__ = ["SlicedDataset", "slice_example"]
+__all__ = ["SlicedDataset", "TokenSlice", "slice_example"]
+
+
+class TokenSlice(NamedTuple):
+    """A pack item that is the tokens ``[start, stop)`` of example ``example`` (a plain tuple otherwise)."""
+
+    example: int
+    start: int
+    stop: int
+
+    def __index__(self) -> int:
+        """Used as an int index, by a dataset that takes only whole examples (a list, a Hugging Face ``Dataset``):
+        a clear error instead of the dataset's own."""
+        raise TypeError(f"{self!r}: the sampler yields token slices (overflow='truncate' or 'split'); a dataset "
+                        "indexed by example cannot take them: wrap it, DataLoader(SlicedDataset(dataset), "
+                        "batch_sampler=...), from hybrid_pack.packing.slicing")
 
 
 def _is_per_token(value: Any, length: int) -> bool:

@@ -1,4 +1,4 @@
-"""The certifier of batch-invariant packing (docs/api.md §7d): the same sequences scored in several packings and
+"""The certifier of batch-invariant packing (docs/api.md §7e): the same sequences scored in several packings and
 alone, compared bit for bit."""
 
 from __future__ import annotations

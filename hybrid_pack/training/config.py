@@ -124,9 +124,12 @@ class TrainConfig:
                 raise InputError(f"{name}: expected a number >= 0; got {getattr(self, name)}")
         if self.device is not None:
             try:
-                torch.device(self.device)
+                device = torch.device(self.device)
             except RuntimeError:
                 raise InputError(f"device: expected cpu, cuda, cuda:1 ...; got {self.device!r}") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise InputError(f"device: {self.device!r}, but this torch ({torch.__version__}) sees no CUDA "
+                                 "device; pass cpu")
         for setting_field in fields(self):
             choices, value = setting_field.metadata.get("choices"), getattr(self, setting_field.name)
             if choices is not None and value not in choices:

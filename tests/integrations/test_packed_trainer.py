@@ -54,3 +54,33 @@ def test_packed_trainer_drops_unused_dataset_columns_as_trainer_does(tmp_path) -
                             lengths=lengths, capacity=24)
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+def test_a_warm_up_that_raised_runs_again(tmp_path, monkeypatch) -> None:
+    """The trainer marked a gradient mode warmed up before its warm-up ran: one that raised (a bad first batch,
+    caught and retried) was never run again, and the next batch's kernels served unsettled."""
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers import trainer as trainer_module
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    model = from_preset("qwen3-next-tiny", vocab_size=512)
+    features, _ = build_features(load_chats("gsm8k", 4), model.config.vocab_size, max_length=512)
+    lengths = [len(f[INPUT_IDS]) for f in features]
+    args = TrainingArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=features, lengths=lengths, capacity=512)
+    calls = []
+
+    def verify(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise RuntimeError("planted: the first warm-up fails")
+        return []
+
+    monkeypatch.setattr(trainer_module.backends, "verify", verify)
+    with pytest.raises(RuntimeError, match="planted"):
+        trainer.warm_up_backends(model, {})
+    trainer.warm_up_backends(model, {})
+    trainer.warm_up_backends(model, {})
+    assert len(calls) == 2

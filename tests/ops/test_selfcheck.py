@@ -105,6 +105,8 @@ REFUSED = {  # defect -> what the reason says
     "tenth_percent_off": "differs by 0.001",
     "raises": "raised RuntimeError in its self-check: planted failure",
     "backward_raises": "planted backward failure",
+    "ignores_boundaries_without_grad": "without gradients, against the pure-torch backend",
+    "float64_outputs": "output 0 is torch.float64, expected torch.float32",
 }
 
 
@@ -335,3 +337,127 @@ def test_register_validates_its_arguments() -> None:
     with pytest.raises(ValueError, match="already registered.*replace=True"):
         backends.register("conv", PLANTED, plant("conv", "none"), priority=1)
     assert [b.name for b in backends.backends_of("conv")][-1] == "torch"  # the pure-torch backend ranks last
+    registry.unregister("conv", PLANTED)
+    for field, wrong in (("devices", {"devices": "cpu"}), ("devices", {"devices": ("cpu", "gpu0")}),
+                         ("dtypes", {"dtypes": torch.float32}), ("dtypes", {"dtypes": ("float32",)}),
+                         ("priority", {"priority": -1}), ("priority", {"priority": 0}),
+                         ("priority", {"priority": "high"}), ("fn", {"fn": "mymodule.conv"}), ("fn", {"fn": 3})):
+        arguments = {"fn": plant("conv", "none"), "priority": 1, "devices": ("cpu",), **wrong}
+        with pytest.raises(ValueError, match=f"^{field}: expected"):
+            backends.register("conv", PLANTED, arguments.pop("fn"), **arguments)
+
+
+@pytest.mark.parametrize("fn", ["no_such_module_anywhere:conv", "hybrid_pack.ops.conv.torch_backend:no_such_fn"])
+def test_a_kernel_that_cannot_be_imported_is_refused_with_the_error(fn: str) -> None:
+    """Its key's fingerprint imported it: every call of the op (and report()) raised the ImportError."""
+    backends.register("conv", PLANTED, fn, priority=100, devices=("cpu",), dtypes=(torch.float32,))
+    result, args = call_op("conv", requires_grad=True)
+    torch.testing.assert_close(result, reference_result("conv", args), rtol=0, atol=0)
+    assert "raised" in status_of("conv").reason and "Error" in status_of("conv").reason
+    assert "no: raised" in next(line for line in backends.report(device="cpu").splitlines() if PLANTED in line)
+
+
+def test_with_checks_off_a_kept_failure_still_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HYBRID_PACK_VERIFY=0`` is for an environment verified before: a kernel that failed there served."""
+    register_planted("conv", "one_percent_off")
+    assert not next(r for r in backends.verify("conv", device="cpu") if r.backend == PLANTED).ok
+    verdicts.SETTLED.clear()
+    verdicts.changed()
+    monkeypatch.setenv(selector.VERIFY_ENV, "0")
+    result, args = call_op("conv", requires_grad=True)
+    torch.testing.assert_close(result, reference_result("conv", args), rtol=0, atol=0)
+    line = next(line for line in backends.report(device="cpu").splitlines() if PLANTED in line)
+    assert "no: failed its self-check" in line
+
+
+def test_report_shows_what_runs_under_forcing_and_what_failed_below_the_choice() -> None:
+    """Forced to torch, a passed kernel above it read CHOSEN too; a lower kernel that failed read "not checked"."""
+    register_planted("conv", "none")
+    backends.register("conv", "planted_low", plant("conv", "one_percent_off"), priority=50, devices=("cpu",),
+                      dtypes=(torch.float32,))
+    try:
+        backends.verify("conv", device="cpu")
+        with use_backends(conv="torch"):
+            table = backends.report(device="cpu")
+        rows = {line.split()[1]: line for line in table.splitlines() if line.startswith("conv ")}
+        assert "CHOSEN" in rows["torch"] and "CHOSEN" not in rows[PLANTED]
+        assert "'torch' forced by use_backends()" in rows[PLANTED] and "forced by use_backends()" in table
+        assert "no: failed its self-check" in rows["planted_low"]
+    finally:
+        registry.unregister("conv", "planted_low")
+
+
+def test_verify_checks_a_kernel_without_a_backward_forward_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--verify` left out kernels registered with backward=False: a wrong inference kernel exited 0."""
+    register_planted("conv", "one_percent_off", backward=False)
+    [planted] = [r for r in backends.verify("conv", device="cpu") if r.backend == PLANTED]
+    assert not planted.ok and not planted.requires_grad
+    assert cli_main(["backends", "--verify", "--device", "cpu"]) == 1
+    assert "forward only" in capsys.readouterr().out
+
+
+def test_a_cache_file_of_another_shape_is_read_as_empty(tmp_path: Any) -> None:
+    for text in ('{"results": []}', '{"results": null}', '{"results": "x"}', "[1, 2]", "{"):
+        new_process_file = kept._file()
+        new_process_file.parent.mkdir(parents=True, exist_ok=True)
+        new_process_file.write_text(text)
+        kept._loaded_from = None
+        kept._memory.clear()
+        register_planted("conv", "none", replace=True)
+        result, args = call_op("conv", requires_grad=True)
+        torch.testing.assert_close(result, reference_result("conv", args))
+
+
+def test_the_fingerprint_follows_the_code_a_kernel_names(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept verdict names the kernel's code: a wrapper whose helper module or global constant changed (its own
+    source unchanged) was served on the old code's passed check, kept on disk."""
+    import importlib
+    import sys
+
+    from hybrid_pack.ops.selfcheck.kept import code_fingerprint
+
+    (tmp_path / "planted_helper.py").write_text("def conv(x):\n    return x\n")
+    (tmp_path / "planted_wrapper.py").write_text(
+        "import planted_helper\nSCALE = 1.0\n\ndef kernel(x):\n    return planted_helper.conv(x) * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def fingerprint() -> str:
+        for name in ("planted_helper", "planted_wrapper"):
+            sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        return code_fingerprint(importlib.import_module("planted_wrapper").kernel)
+
+    first = fingerprint()
+    assert fingerprint() == first  # the same code, the same name for it
+    (tmp_path / "planted_helper.py").write_text("def conv(x):\n    return x * 1.001\n")
+    second = fingerprint()
+    (tmp_path / "planted_wrapper.py").write_text(
+        "import planted_helper\nSCALE = 1.001\n\ndef kernel(x):\n    return planted_helper.conv(x) * SCALE\n")
+    assert len({first, second, fingerprint()}) == 3
+
+
+def test_an_adapter_that_drops_an_argument_is_refused() -> None:
+    """The attention check always used the default scale and never passed ``window``: a kernel that ignored the
+    caller's ``softmax_scale`` (or GDN's ``scale``) passed and served wrong numbers, and one written to §4 without
+    ``window`` passed, then crashed the first real call."""
+    reference = reference_of("attention").fn
+
+    def default_scale(q: Any, k: Any, v: Any, boundaries: Any, *, causal: bool, softmax_scale: float,
+                      window: Any = None) -> Any:
+        return reference(q, k, v, boundaries, causal=causal, softmax_scale=q.shape[-1] ** -0.5, window=window)
+
+    def without_window(q: Any, k: Any, v: Any, boundaries: Any, *, causal: bool, softmax_scale: float) -> Any:
+        return reference(q, k, v, boundaries, causal=causal, softmax_scale=softmax_scale)
+
+    gated_delta = reference_of("gated_delta").fn
+
+    def gdn_default_scale(*args: Any, scale: float, **kwargs: Any) -> Any:
+        return gated_delta(*args, scale=args[0].shape[-1] ** -0.5, **kwargs)
+
+    for op, kernel, why in (("attention", default_scale, "differs"),
+                            ("attention", without_window, "unexpected keyword argument 'window'"),
+                            ("gated_delta", gdn_default_scale, "differs")):
+        backends.register(op, PLANTED, kernel, priority=100, devices=("cpu",), dtypes=(torch.float32,), replace=True)
+        call_op(op, requires_grad=True)
+        assert not status_of(op).usable and why in status_of(op).reason, status_of(op).reason
+        registry.unregister(op, PLANTED)

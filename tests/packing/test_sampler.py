@@ -208,6 +208,22 @@ def test_sliced_dataset_feeds_split_pieces_to_the_collator():
     assert all(batch["input_ids"].shape[1] <= 100 for batch in loader)
 
 
+@pytest.mark.parametrize("kind", ["list", "hf"])
+def test_token_slices_on_a_dataset_indexed_by_example_say_to_wrap_it(kind):
+    """A split plan's items on a plain list or a Hugging Face Dataset raised the dataset's own TypeError ("list
+    indices must be integers or slices, not tuple"; "int() argument must be ..."). They name the fix."""
+    lengths = [250, 40, 90]
+    rows = [{"input_ids": list(range(1, n + 1))} for n in lengths]
+    if kind == "hf":
+        datasets = pytest.importorskip("datasets")
+        rows = datasets.Dataset.from_list(rows)
+    loader = DataLoader(rows, batch_sampler=PackedBatchSampler(lengths, 100, overflow="split"),
+                        collate_fn=PackingCollator())
+    with pytest.raises(TypeError, match=r"TokenSlice\(example=\d+, start=\d+, stop=\d+\): the sampler yields token "
+                                        r"slices .* DataLoader\(SlicedDataset\(dataset\)"):
+        next(iter(loader))
+
+
 def test_state_dict_rejects_a_different_setup():
     sampler = PackedBatchSampler([5] * 40, 20, num_replicas=2, rank=0)
     state = sampler.state_dict()

@@ -116,8 +116,8 @@ class PackedBatches:
         stream as it was."""
         grad = torch.is_grad_enabled()
         if grad not in self._warmed_up:
-            self._warmed_up = self._warmed_up | {grad}
             backends.verify(model=model, batch=inputs)
+            self._warmed_up = self._warmed_up | {grad}  # after: a warm-up that raised runs again
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add real tokens/s to a training log (one all-reduce, on every rank, as the loss already takes)."""
@@ -170,10 +170,10 @@ class SettlesBackendsAfterFirstStep:
         (:func:`hybrid_pack.backends.verify`, the warm-up: every rank under ``torch.distributed``)."""
         if kind in self._settled:
             return step()
-        self._settled = self._settled | {kind}
         with backends.discovering(training_step=True):
             out = step()
         backends.verify()
+        self._settled = self._settled | {kind}  # after: a first step that raised settles on the next one
         return out
 
 

@@ -69,8 +69,12 @@ class Backend:
 
     @cached_property
     def fingerprint(self) -> str:
-        """``module:function@hash`` of the code that runs (names a kept result)."""
-        return code_fingerprint(self.fn)
+        """``module:function@hash`` of the code that runs (names a kept result); for a ``"module:function"`` that
+        cannot be imported, the string and the error (its check raises that error)."""
+        try:
+            return code_fingerprint(self.fn)
+        except (ImportError, AttributeError) as error:
+            return f"{self.impl}@{type(error).__name__}"
 
     @cached_property
     def environment_reason(self) -> str:

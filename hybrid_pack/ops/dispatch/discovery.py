@@ -55,6 +55,7 @@ def discovering(*, training_step: bool = False) -> Iterator[None]:
 
 
 def record(wanted: Wanted, group: Any) -> None:
+    """Keep a key met while discovering (a sharded one with its process group), once."""
     _met.setdefault(wanted, group)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -51,9 +52,14 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
     elif name is None or fn is None or priority is None:
         raise InputError("register: expected register(op, name, fn, priority=...)")
     else:
-        backend = Backend(op=op, name=name, impl=fn, priority=int(priority), devices=tuple(devices),
+        for field, value, kind in (("devices", devices, str), ("dtypes", dtypes, torch.dtype)):
+            if isinstance(value, (str, torch.dtype)) or not all(isinstance(v, kind) for v in value):
+                raise InputError(f"{field}: expected a tuple of {kind.__name__} such as "
+                                 f"{('cuda',) if kind is str else (torch.bfloat16,)}; got {value!r}")
+        backend = Backend(op=op, name=name, impl=fn, priority=priority, devices=tuple(devices),
                           dtypes=tuple(dtypes), backward=backward, **details)
     contract_of(backend.op)
+    _refuse_malformed(backend)
     if backend.reference and backend.sharded:
         raise InputError(f"sharded: the reference backend of {backend.op!r} serves whole rows; a sharded row's "
                          "reference is the op's own context-parallel path")
@@ -67,6 +73,26 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
     _BACKENDS[backend.op].sort(key=lambda b: -b.priority)
     verdicts.forget(backend.op, backend.name)
     return backend
+
+
+def _refuse_malformed(backend: Backend) -> None:
+    """InputError naming the field of ``backend`` that cannot be used (priority, devices, fn)."""
+    lowest = 0 if backend.reference or backend.sharded else 1
+    if not isinstance(backend.priority, numbers.Integral) or isinstance(backend.priority, bool) \
+            or backend.priority < lowest:
+        raise InputError(f"priority: expected an int >= {lowest} (the pure-torch backends are 0, the lowest); got "
+                         f"{backend.priority!r}")
+    for device in backend.devices:
+        try:
+            if torch.device(device).type != device:
+                raise RuntimeError
+        except RuntimeError:
+            raise InputError(f"devices: expected device types such as ('cuda',) or ('cpu', 'cuda'); got "
+                             f"{backend.devices!r}") from None
+    if isinstance(backend.impl, str) and not all(backend.impl.partition(":")[::2]):
+        raise InputError(f"fn: expected a callable or 'module:function'; got {backend.impl!r}")
+    if not isinstance(backend.impl, str) and not callable(backend.impl):
+        raise InputError(f"fn: expected a callable or 'module:function'; got {type(backend.impl).__name__}")
 
 
 def unregister(op: str, name: str) -> Backend:

@@ -16,15 +16,15 @@ import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
-from hybrid_pack.errors import BackendUnavailableError
+from hybrid_pack.errors import InputError
 from hybrid_pack.ops.compiler import assume_constant_result
 from hybrid_pack.ops.cp.eager import run_eagerly
 from hybrid_pack.ops.cp.relayout import on_contiguous
 from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.discovery import recording_keys
-from hybrid_pack.ops.dispatch.registry import get_backend, reference_of
-from hybrid_pack.ops.dispatch.selector import forced_context, forcing, resolve
+from hybrid_pack.ops.dispatch.registry import get_backend
+from hybrid_pack.ops.dispatch.selector import forced_context, resolve, resolve_invariant
 from hybrid_pack.ops.invariant import SEQUENCE_MIXING, inside_batch_invariant, is_batch_invariant, per_document
 from hybrid_pack.ops.selfcheck.contract import Signature, dtype_name, specialised
 
@@ -83,10 +83,10 @@ class OpRoute:
             if type(boundaries) is ShardedBoundaries:  # exchanges and host-side layout stay out of the graph
                 return run_eagerly(self, arguments, boundaries, backend, requires_grad)
             if self.mixing and is_batch_invariant():
-                return self._invariant(arguments, boundaries, backend)
+                return self._invariant(arguments, boundaries, backend, requires_grad)
             return self._traced(arguments, boundaries, backend, requires_grad)
         if self.mixing and inside_batch_invariant():
-            return self._invariant(arguments, boundaries, backend)
+            return self._invariant(arguments, boundaries, backend, requires_grad)
         sharded = None
         if type(boundaries) is ShardedBoundaries:
             boundaries.check_group()
@@ -156,15 +156,16 @@ class OpRoute:
                               requires_grad=requires_grad)
         return self.from_opaque(outputs, arguments)
 
-    def _invariant(self, arguments: Mapping[str, Any], boundaries: Any, backend: str | None) -> Any:
-        """Inside :func:`hybrid_pack.batch_invariant`: the pure-torch backend, per segment (no check proves a kernel
-        batch-invariant, docs/api.md §7d)."""
-        reference, (forced, source) = reference_of(self.op), forcing(self.op, backend)
-        if forced not in (None, reference.name):
-            raise BackendUnavailableError(f"{self.op} backend {forced!r} (forced by {source}) cannot serve inside "
-                                          f"batch_invariant(): no self-check proves it batch-invariant; force "
-                                          f"{reference.name!r} or leave the backend to the selector")
-        return per_document(self.op, reference.fn, self.positional, arguments, boundaries)
+    def _invariant(self, arguments: Mapping[str, Any], boundaries: Any, backend: str | None,
+                   requires_grad: bool) -> Any:
+        if not isinstance(boundaries, PackedBoundaries):
+            raise InputError(f"boundaries: inside batch_invariant() {self.op} takes a whole row's PackedBoundaries "
+                             f"(eager); got {type(boundaries).__name__} (compiled static rows and rows split across "
+                             "a context-parallel group are not covered by the mode)")
+        first = arguments[self.positional[0]]
+        chosen = resolve_invariant(self.op, device=first.device, dtype=first.dtype, requires_grad=requires_grad,
+                                   backend=backend)
+        return per_document(self.op, chosen.fn, self.positional, arguments, boundaries)
 
 
 def route_of(op: str) -> OpRoute:

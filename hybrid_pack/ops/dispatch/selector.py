@@ -32,7 +32,8 @@ from hybrid_pack.ops.selfcheck.result import CheckResult, device_name
 from hybrid_pack.ops.selfcheck.whole_row import run_check_apart
 
 __all__ = ["ENV_VAR", "VERIFY_ENV", "Decision", "WarmUpError", "resolve", "select", "use_backends", "forcing",
-           "verification_enabled", "verdict_key", "local_verdict", "decisions", "forced_context", "tracing"]
+           "verification_enabled", "verdict_key", "local_verdict", "decisions", "forced_context", "tracing",
+           "resolve_invariant"]
 
 ENV_VAR = "HYBRID_PACK_BACKENDS"
 VERIFY_ENV = "HYBRID_PACK_VERIFY"
@@ -103,6 +104,9 @@ def _parse_env(raw: str) -> dict[str, str]:
         if not sep or not name.strip():
             raise InputError(f"{ENV_VAR}: expected comma-separated op=backend pairs such as "
                              f"'conv=torch,ssd=mamba_ssm'; got {raw!r}")
+        if pairs.get(op.strip(), name.strip()) != name.strip():
+            raise InputError(f"{ENV_VAR}: op {op.strip()!r} forced twice ({pairs[op.strip()]!r} and "
+                             f"{name.strip()!r}); keep one pair")
         pairs[op.strip()] = name.strip()
     return _check_forced(pairs, ENV_VAR)
 
@@ -210,8 +214,11 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
         why = candidate.reason(device, dtype, requires_grad)
         if not why and candidate.accepts is not None and inputs is not None:
             why = candidate.accepts(inputs)
-        if why or candidate.reference or not verification_enabled():
+        if why or candidate.reference:
             return why
+        if not verification_enabled():  # no check runs; one kept failed stands (an environment verified before)
+            known = kept.lookup(kept.recall, verdict_key(candidate, signature, device, requires_grad))
+            return known.reason if known is not None and not known.ok else ""
         return _evidence(candidate, signature, device, dtype, requires_grad, ranks, group, strict, traced)
 
     if forced is not None:
@@ -248,6 +255,27 @@ def _decide(chosen: Backend, device: torch.device, requires_grad: bool, signatur
         _decisions[key] = Decision(chosen.op, chosen.name, device_name(device), text, requires_grad, tuple(skipped),
                                    tuple(refused), forced)
     return chosen
+
+
+def resolve_invariant(op: str, *, device: torch.device, dtype: torch.dtype, requires_grad: bool,
+                      backend: str | None) -> Backend:
+    """Inside :func:`hybrid_pack.batch_invariant`: the pure-torch backend (no check proves a kernel batch-invariant,
+    docs/api.md §7e; a usable kernel is logged once). Raises BackendUnavailableError for a forced kernel."""
+    forced, source = forcing(op, backend)
+    reference = reference_of(op)
+    if forced is not None and forced != reference.name:
+        raise BackendUnavailableError(f"{op} backend {forced!r} (forced by {source}) cannot serve inside "
+                                      f"batch_invariant(): no self-check proves it batch-invariant; force "
+                                      f"{reference.name!r} or leave the backend to the selector")
+    why = reference.reason(device, dtype, requires_grad)
+    if why:
+        raise BackendUnavailableError(f"{op}: inside batch_invariant() only backend {reference.name!r} serves, and "
+                                      f"it cannot run here: {why}")
+    kernels = [b.name for b in backends_of(op) if not b.reference and not b.reason(device, dtype, requires_grad)]
+    if kernels:
+        _log_once(op, ", ".join(kernels), "inside batch_invariant() kernels do not serve (no self-check proves "
+                  f"them batch-invariant); {reference.name!r} runs")
+    return reference
 
 
 def decisions() -> list[Decision]:

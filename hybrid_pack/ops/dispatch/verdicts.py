@@ -36,7 +36,7 @@ def settle(key: VerdictKey, result: CheckResult) -> None:
 
 
 def forget(op: str, backend: str) -> None:
-    """Drop every result for one backend, kept and settled (it was registered again or removed)."""
+    """Drop this process's results for one backend, kept and settled (it was registered again or removed)."""
     kept.forget(op, backend)
     for key in [k for k in SETTLED if k.op == op and k.backend == backend]:
         del SETTLED[key]

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from hybrid_pack.distributed import distributed, share_objects
 from hybrid_pack.ops.dispatch import discovery, verdicts
 from hybrid_pack.ops.dispatch.discovery import Wanted
-from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, registered_ops
+from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, reference_of, registered_ops
 from hybrid_pack.ops.dispatch.route import route_of
 from hybrid_pack.ops.dispatch.selector import local_verdict, verdict_key, verification_enabled
 from hybrid_pack.ops.selfcheck.contract import dtype_name
@@ -63,15 +63,17 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
                         contract_of(name).default_signature(dt, device.type))
                  for name in (registered_ops() if op is None else (op,)) for dt in dtypes]
     calls = sorted(set(calls), key=repr)  # the same order on every rank
-    plain = [(b, c) for c in calls if not c.group_ranks for b in backends_of(c.op)
-             if (typical or not b.reference) and not b.reason(device, getattr(torch, c.dtype), c.requires_grad)]
+    # typical calls: a backend without a backward is checked without gradients (it serves inference)
+    plain = [(b, c, c.requires_grad and (b.backward or not typical)) for c in calls if not c.group_ranks
+             for b in backends_of(c.op) if typical or not b.reference]
+    plain = [(b, c, grad) for b, c, grad in plain if not b.reason(device, getattr(torch, c.dtype), grad)]
     checked = []
     with tqdm(plain, desc="self-checks", unit="check", leave=False,
               disable=None if progress is None else not progress) as bar:
-        for backend, call in bar:
+        for backend, call, grad in bar:
             bar.set_postfix_str(f"{backend.op} {backend.name} {call.dtype}")
-            checked.append((verdict_key(backend, call.signature, device, call.requires_grad),
-                            local_verdict(backend, call.signature, device, call.requires_grad)))
+            checked.append((verdict_key(backend, call.signature, device, grad),
+                            local_verdict(backend, call.signature, device, grad)))
     return _agree(checked) + _settle_sharded([c for c in calls if c in sharded_here], device, groups)
 
 
@@ -105,7 +107,7 @@ def _settle_sharded(calls: list[Wanted], device: torch.device, groups: dict[tupl
         for backend in backends_of(call.op, sharded=True):
             if not all(share_objects(not backend.reason(device, dtype, call.requires_grad), group)):
                 continue
-            result = cp_check(backend, functools.partial(route_of(call.op).public, backend="torch"),
+            result = cp_check(backend, functools.partial(route_of(call.op).public, backend=reference_of(call.op).name),
                               contract_of(call.op), call.signature, device, call.requires_grad, group,
                               dist.get_group_rank(group or dist.group.WORLD, rank), len(call.group_ranks))
             verdicts.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)

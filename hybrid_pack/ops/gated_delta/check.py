@@ -44,7 +44,7 @@ def make_inputs(signature: Signature, boundaries: PackedBoundaries, generator: t
     h0 = None if s["initial_state"] is None else random_tensor(
         (boundaries.num_docs, s["HV"], s["K"], s["V"]), s["initial_state"], device, generator, scale=0.1)
     arguments = {"q": q, "k": k, "v": v, "g": g.to(getattr(torch, s["g"])), "beta": beta.to(getattr(torch, s["beta"])),
-                 "scale": s["K"] ** -0.5, "initial_state": h0, "output_final_state": s["output_final_state"],
+                 "scale": 0.75 * s["K"] ** -0.5, "initial_state": h0, "output_final_state": s["output_final_state"],
                  "use_qk_l2norm": s["use_qk_l2norm"]}
     return CheckCase(arguments, positional=("q", "k", "v", "g", "beta"), token_inputs=("q", "k", "v", "g", "beta"),
                      document_inputs=("initial_state",))

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import tempfile
+import types
 from collections.abc import Callable
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
@@ -48,11 +49,17 @@ class VerdictKey(NamedTuple):
 
 
 def _stable_repr(value: Any) -> str:
-    """A value a kernel closes over, the same in every process (no memory address)."""
+    """A value a kernel uses, the same in every process (no memory address): a module by its file's hash, a
+    function by its source."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
     if isinstance(value, (tuple, list)):
         return "(" + ",".join(map(_stable_repr, value)) + ")"
+    if isinstance(value, types.ModuleType):
+        try:
+            return f"{value.__name__}:{hashlib.sha1(Path(value.__file__).read_bytes()).hexdigest()[:12]}"
+        except (OSError, TypeError, AttributeError):  # a built-in or namespace module
+            return value.__name__
     if callable(value):
         try:
             return f"{getattr(value, '__qualname__', '')}:{inspect.getsource(value)}"
@@ -62,19 +69,23 @@ def _stable_repr(value: Any) -> str:
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
-    """``module:function@hash`` of the code ``fn`` runs and the values it closes over (names a kept result)."""
+    """``module:function@hash`` of the code ``fn`` runs: its source, the values it closes over or is bound to, and
+    the globals it names (a constant's value, a helper's source, a module's file), one level deep (names a kept
+    result)."""
     target = getattr(fn, "func", fn)  # functools.partial
     try:
         source = inspect.getsource(target)
     except (OSError, TypeError):
         source = repr(target)
-    bound = [*getattr(fn, "args", ()), *getattr(fn, "keywords", {}).values()]
+    used = [*getattr(fn, "args", ()), *getattr(fn, "keywords", {}).values()]
     for cell in getattr(target, "__closure__", None) or ():
         try:
-            bound.append(cell.cell_contents)
+            used.append(cell.cell_contents)
         except ValueError:  # a cell not yet filled
-            bound.append(None)
-    digest = hashlib.sha1((source + "".join(map(_stable_repr, bound))).encode()).hexdigest()[:12]
+            used.append(None)
+    scope, code = getattr(target, "__globals__", {}), getattr(target, "__code__", None)
+    used += [scope[name] for name in (code.co_names if code is not None else ()) if name in scope]
+    digest = hashlib.sha1((source + "".join(map(_stable_repr, used))).encode()).hexdigest()[:12]
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}@{digest}"
 
 
@@ -129,7 +140,8 @@ def _read(path: Path) -> dict[str, dict]:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return data.get("results", {}) if isinstance(data, dict) else {}
+    results = data.get("results") if isinstance(data, dict) else None
+    return results if isinstance(results, dict) else {}  # another shape: written by something else, checked again
 
 
 def _load() -> None:

@@ -18,7 +18,7 @@ from hybrid_pack.isolation import GRADIENT_FACTOR, Mismatch, adversarial_cp_row,
 from hybrid_pack.ops.selfcheck.contract import CheckCase, OpContract, Signature, projection_weights, signature_text
 from hybrid_pack.ops.selfcheck.result import CheckResult, Implementation, device_name
 
-__all__ = ["adversarial_cp_row", "cp_check", "rank_arguments"]
+__all__ = ["cp_check", "rank_arguments"]
 
 
 def rank_arguments(case: CheckCase, sharded: ShardedBoundaries) -> dict[str, Any]:
@@ -57,6 +57,10 @@ def cp_check(backend: Implementation, reference: Callable[..., Any], contract: O
         tolerance = self_check_tolerance([case.precision()])
         worst = compare("outputs", actual, expected, tolerance)
         worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))
+        if requires_grad:  # its verdict serves calls without gradients too, which may take a path of their own
+            with torch.no_grad():
+                plain, _ = _outputs_and_grads(contract, backend.fn, case, sharded, False)
+            worst = max(worst, compare("outputs without gradients", plain, expected, tolerance))
         reason = ""
     except Mismatch as mismatch:
         worst, reason = mismatch.error, (f"context-parallel self-check: {mismatch.what} differs from the pure-torch "

@@ -1,7 +1,8 @@
 """The self-check a kernel passes before it serves a call (docs/api.md §5a), on one packed row of an adversarial
-layout with inputs of the call's signature: outputs against the pure-torch backend in float64, each document packed
-against alone and, with gradients, gradients against the reference's (``GRADIENT_FACTOR`` times the tolerance) and
-none crossing segments. Anything the backend raises fails the check."""
+layout with inputs of the call's signature: outputs against the pure-torch backend in float64 (with gradients, the
+outputs of a call without them too) and in the reference's dtypes, each document packed against alone and, with
+gradients, gradients against the reference's (``GRADIENT_FACTOR`` times the tolerance) and none crossing segments.
+Anything the backend raises fails the check."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def _gradients(loss: torch.Tensor, args: dict[str, object], names: Sequence[str]
     return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
 
 
+def _same_dtypes(tokens: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Each per-token output in the dtype the pure-torch backend returns for the call's own inputs (the op's
+    contract, e.g. ``o`` in ``v``'s dtype); raises :class:`~hybrid_pack.isolation.Mismatch`."""
+    for i, (got, want) in enumerate(zip(tokens, expected)):
+        if got.dtype != want.dtype:
+            raise Mismatch(f"output {i} is {got.dtype}, expected {want.dtype} (the pure-torch backend's on these "
+                           "inputs)", what=f"output {i}'s dtype", error=float("inf"), tolerance=0.0)
+
+
 def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Generator, backend: Implementation,
            reference: Implementation, contract: OpContract, requires_grad: bool) -> float:
     """Run the three checks; return the largest error seen or raise :class:`~hybrid_pack.isolation.Mismatch`."""
@@ -58,6 +68,12 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
         tokens, states = contract.outputs(case.call(backend.fn, boundaries, args))
         ref_tokens, ref_states = contract.outputs(case.call(reference.fn, boundaries, ref_args))
     worst = compare("against the pure-torch backend", tokens + states, ref_tokens + ref_states, tolerance)
+    with torch.no_grad():
+        _same_dtypes(tokens, contract.outputs(case.call(reference.fn, boundaries, case.leaves([])))[0])
+        if requires_grad:  # its verdict serves calls without gradients too, which may take a path of their own
+            plain_tokens, plain_states = contract.outputs(case.call(backend.fn, boundaries, case.leaves([])))
+            worst = max(worst, compare("without gradients, against the pure-torch backend",
+                                       plain_tokens + plain_states, ref_tokens + ref_states, tolerance))
 
     starts = boundaries.starts
     with torch.no_grad():

@@ -8,11 +8,13 @@ from hybrid_pack.boundaries import PackedBoundaries
 
 
 def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: PackedBoundaries, *,
-                         causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
-    """``softmax(scale * q k^T + mask) v`` with a ``[T, T]`` mask allowing only same-segment (earlier) keys.
+                         causal: bool = True, softmax_scale: float | None = None, window: None = None) -> torch.Tensor:
+    """``softmax(scale * q k^T + mask) v`` with a ``[T, T]`` mask allowing only same-segment (earlier) keys (no
+    sliding ``window``: the windowed tests hold their own reference).
 
     q ``[1, T, H, D]``, k/v ``[1, T, Hkv, D]`` -> ``[1, T, H, D]`` in q's dtype; computed in float64.
     """
+    assert window is None, "the dense reference has no sliding window"
     num_heads, num_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
     group = num_heads // num_kv_heads
