@@ -54,7 +54,9 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
     backends. It checks the kernels it would pick (lower-priority ones stay unchecked); under
     ``torch.distributed`` it shows the settled verdicts and starts no collective."""
     device = torch.device(device) if device is not None else default_device()
-    check = f"self-check on, results kept in {cache_dir()}" if verification_enabled() else "self-check OFF"
+    problem = kept.cache_problem()
+    kept_in = f"results kept in memory only: {cache_dir()} {problem}" if problem else f"results kept in {cache_dir()}"
+    check = f"self-check on, {kept_in}" if verification_enabled() else "self-check OFF"
     if distributed():
         check += f"; verdicts settled for the {dist.get_world_size()} ranks by hybrid_pack.backends.verify()"
     lines = [f"hybrid_pack backends on {device_name(device)}, {dtype_name(dtype)}, with backward ({check})", ""]
@@ -76,6 +78,11 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype = torch.
         forced, source = forcing(op, None)
         lines.append(f"{'':<{widths[0]}} (typical call: {typical}"
                      + (f"; {forced!r} forced by {source})" if forced else ")"))
+        lines += [f"{'':<{widths[0]}} {r.backend} refused for {r.signature}"
+                  f"{'' if r.requires_grad else ' (without gradients)'}: {r.reason}"
+                  for b in backends_of(op) if not b.reference and not b.environment_reason
+                  for r in kept.results(op, b.name, b.fingerprint)
+                  if not r.ok and r.device == device_name(device) and r.signature != typical]
     lines += ["", "context parallelism (a row split across ranks, docs/parallel.md; the pure-torch path always serves)",
               header, "-" * len(header)]
     for op in registered_ops():

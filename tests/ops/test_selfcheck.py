@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_pack import backends, use_backends
+from hybrid_pack import PackedBoundaries, backends, use_backends
 from hybrid_pack.cli import main as cli_main
 from hybrid_pack.errors import BackendUnavailableError
 from hybrid_pack.isolation import SELF_CHECK_TOLERANCE
@@ -341,9 +341,10 @@ def test_register_validates_its_arguments() -> None:
     for field, wrong in (("devices", {"devices": "cpu"}), ("devices", {"devices": ("cpu", "gpu0")}),
                          ("dtypes", {"dtypes": torch.float32}), ("dtypes", {"dtypes": ("float32",)}),
                          ("priority", {"priority": -1}), ("priority", {"priority": 0}),
-                         ("priority", {"priority": "high"}), ("fn", {"fn": "mymodule.conv"}), ("fn", {"fn": 3})):
+                         ("priority", {"priority": "high"}), ("fn", {"fn": "mymodule.conv"}), ("fn", {"fn": 3}),
+                         ("reference", {"reference": True})):
         arguments = {"fn": plant("conv", "none"), "priority": 1, "devices": ("cpu",), **wrong}
-        with pytest.raises(ValueError, match=f"^{field}: expected"):
+        with pytest.raises(ValueError, match=f"^{field}: (expected|op 'conv' has its pure-torch reference)"):
             backends.register("conv", PLANTED, arguments.pop("fn"), **arguments)
 
 
@@ -461,3 +462,26 @@ def test_an_adapter_that_drops_an_argument_is_refused() -> None:
         call_op(op, requires_grad=True)
         assert not status_of(op).usable and why in status_of(op).reason, status_of(op).reason
         registry.unregister(op, PLANTED)
+
+
+def test_report_says_when_results_cannot_be_kept_on_disk(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A HYBRID_PACK_CACHE that is a file kept nothing on disk while the table said "results kept in" it."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(kept.CACHE_ENV, str(tmp_path / "a_file"))
+    assert f"results kept in memory only: {tmp_path / 'a_file'} is a file" in backends.report(device="cpu")
+
+
+def test_report_lists_the_keys_a_kernel_failed_beside_the_typical_one() -> None:
+    """A kernel refused for one signature only: once report() checked the typical key, no line said why."""
+    reference = reference_of("conv").fn
+
+    def picky(x: Any, weight: Any, bias: Any, boundaries: Any, *, activation: Any) -> Any:
+        if x.shape[-1] == 32:
+            raise RuntimeError("planted: no 32 channels")
+        return reference(x, weight, bias, boundaries, activation=activation)
+
+    backends.register("conv", PLANTED, picky, priority=100, devices=("cpu",), dtypes=(torch.float32,))
+    causal_conv1d(torch.randn(1, 16, 32), torch.randn(32, 4), None, PackedBoundaries.from_lengths([5, 11]))
+    table = backends.report(device="cpu")
+    assert f"{PLANTED} refused for D=32" in table and "planted: no 32 channels" in table
+    assert "CHOSEN" in next(line for line in table.splitlines() if line.startswith("conv") and PLANTED in line)

@@ -89,6 +89,10 @@ def _refuse_malformed(backend: Backend) -> None:
         except RuntimeError:
             raise InputError(f"devices: expected device types such as ('cuda',) or ('cpu', 'cuda'); got "
                              f"{backend.devices!r}") from None
+    others = [b.name for b in _BACKENDS[backend.op] if b.reference and b.name != backend.name]
+    if backend.reference and others:
+        raise InputError(f"reference: op {backend.op!r} has its pure-torch reference {others[0]!r} (the oracle every "
+                         "check compares with, serving unchecked); register a kernel without reference=True")
     if isinstance(backend.impl, str) and not all(backend.impl.partition(":")[::2]):
         raise InputError(f"fn: expected a callable or 'module:function'; got {backend.impl!r}")
     if not isinstance(backend.impl, str) and not callable(backend.impl):

@@ -25,7 +25,7 @@ from hybrid_pack.ops.selfcheck.result import CheckResult
 from hybrid_pack.ops.triton_device import INTERPRET_ENV
 
 __all__ = ["VerdictKey", "code_fingerprint", "lookup", "remember", "recall", "forget", "results", "environment",
-           "CACHE_ENV", "cache_dir"]
+           "CACHE_ENV", "cache_dir", "cache_problem"]
 
 CACHE_ENV = "HYBRID_PACK_CACHE"
 PACKAGES = ("hybrid_pack", "torch", "triton", "fla-core", "flash-linear-attention", "mamba-ssm", "causal-conv1d",
@@ -129,6 +129,15 @@ def _environment_digest() -> str:
 
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybrid_pack")
+
+
+def cache_problem() -> str:
+    """Why results cannot be written under :func:`cache_dir` ("" when they can): they then stay in memory."""
+    folder = cache_dir()
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return "" if os.access(existing, os.W_OK) else f"cannot be written ({existing} is read-only)"
 
 
 def _file() -> Path:
