@@ -10,6 +10,7 @@ built on first use and kept on the object: every layer of a forward pass shares 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -45,6 +46,19 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 def _fail(field: str, expected: str, got: str) -> None:
     raise BoundaryError(f"{field}: expected {expected}; got {got}")
+
+
+def _pad_count(num_pad_tokens: Any) -> int:
+    """``num_pad_tokens`` (an int, or a 0-d integer tensor or array) as an int >= 0; a bool or a float is refused,
+    naming the field."""
+    try:
+        count = -1 if isinstance(num_pad_tokens, bool) or getattr(num_pad_tokens, "dtype", None) in (
+            torch.bool, np.bool_) else operator.index(num_pad_tokens)
+    except TypeError:
+        count = -1
+    if count < 0:
+        _fail(NUM_PAD_TOKENS, "an int >= 0", repr(num_pad_tokens))
+    return count
 
 
 def _as_int_array(field: str, value: Any, *, ndim_ok: tuple[int, ...]) -> np.ndarray:
@@ -180,8 +194,7 @@ class PackedBoundaries:
             i = int(np.argmax(arr <= 0))
             _fail("lengths", "every document length >= 1 (drop empty documents before packing)",
                   f"length {int(arr[i])} at index {i}")
-        if num_pad_tokens < 0:
-            _fail(NUM_PAD_TOKENS, ">= 0", str(num_pad_tokens))
+        num_pad_tokens = _pad_count(num_pad_tokens)
         if num_pad_tokens and int(arr[-1]) != num_pad_tokens:
             _fail(NUM_PAD_TOKENS, "the length of the last segment", f"{num_pad_tokens} vs {int(arr[-1])}")
         total = int(arr.sum())
@@ -202,8 +215,7 @@ class PackedBoundaries:
                               num_pad_tokens: int = 0, device: torch.device | str | None = None) -> PackedBoundaries:
         """Boundaries of documents with these lengths, followed by a padding segment of ``num_pad_tokens``."""
         lengths = _as_int_array("document_lengths", document_lengths, ndim_ok=(1,))
-        if num_pad_tokens < 0:
-            _fail(NUM_PAD_TOKENS, ">= 0", str(num_pad_tokens))
+        num_pad_tokens = _pad_count(num_pad_tokens)
         return cls.from_lengths(np.append(lengths, num_pad_tokens) if num_pad_tokens else lengths, device,
                                 num_pad_tokens=num_pad_tokens)
 
@@ -291,6 +303,9 @@ class PackedBoundaries:
         Call it on the host batch, before moving it to the device: reading device tensors synchronises.
         NumPy arrays (``return_tensors="np"``) are read like CPU tensors.
         """
+        if not isinstance(batch, Mapping):
+            raise BoundaryError(f"batch: expected the collated batch (a dict of its keys); got {type(batch).__name__} "
+                                "(collate the examples with hybrid_pack.PackingCollator first)")
         host = batch.get(HOST_BOUNDARIES)
         if isinstance(host, StaticHostBoundaries):   # a static batch's: checked by shape, then its used slots
             slots = tuple(host.cu_seqlens.shape)
@@ -328,8 +343,10 @@ class PackedBoundaries:
             if isinstance(got, np.ndarray):  # a PackingCollator(return_tensors="np") batch
                 got = torch.from_numpy(got)
             if other != key and got is not None and (not isinstance(got, torch.Tensor) or got.device.type == "cpu"):
-                same = (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape)
-                        and torch.equal(got.detach().to("cpu", torch.int64), expected.to("cpu", torch.int64)))
+                if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype:
+                    _fail(other, f"a {expected.dtype} tensor (as the collator builds it)",
+                          f"{got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__)
+                same = tuple(got.shape) == tuple(expected.shape) and torch.equal(got.detach().cpu(), expected.cpu())
                 if not same:
                     raise BoundaryError(f"{other}: expected the same boundaries as {key!r}; they disagree "
                                         f"(build all boundary keys together with PackingCollator)")
@@ -424,7 +441,7 @@ class PackedBoundaries:
 
     def chunk_layout(self, chunk_size: int) -> ChunkLayout:
         """Every segment cut into chunks of ``chunk_size`` tokens, for document-parallel chunked scans."""
-        if not isinstance(chunk_size, int) or chunk_size < 1:
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             _fail("chunk_size", "a positive int", repr(chunk_size))
         return self.view(("chunk_layout", chunk_size),
                          lambda: build_chunk_layout(self.segment_lengths, chunk_size, self.device))
@@ -435,5 +452,7 @@ class PackedBoundaries:
 
     def kernel_chunk_index(self, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chunk_indices [num_chunks, 2] int32 on device, cu_seqlens_cpu [S + 1] int64)`` for fla's kernels."""
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            _fail("chunk_size", "a positive int", repr(chunk_size))
         return self.view(("kernel_chunk_index", chunk_size),
                          lambda: build_kernel_chunk_index(self.segment_lengths, chunk_size, self.device))

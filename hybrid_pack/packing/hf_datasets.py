@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from hybrid_pack.errors import InputError, MissingExtraError
-from hybrid_pack.packing.plan import PackPlan, plan_packs
+from hybrid_pack.packing.plan import PackPlan, check_plan_settings, plan_packs
 from hybrid_pack.schema import INPUT_IDS
 
 if TYPE_CHECKING:
@@ -97,6 +97,10 @@ def tokenize_and_plan(
     except ImportError as err:
         raise MissingExtraError("tokenize_and_plan", "hf", err) from err
 
+    check_plan_settings(capacity, strategy, overflow, None)  # before the tokenization pass, which is long
+    if not isinstance(dataset, datasets.Dataset):
+        raise InputError(f"dataset: expected a datasets.Dataset (map-style); got {type(dataset).__name__} (build "
+                         "one with datasets.Dataset.from_dict or from_list)")
     if text_column not in dataset.column_names:
         raise InputError(f"text_column: expected one of the dataset's columns {dataset.column_names}; "
                          f"got {text_column!r}")

@@ -18,7 +18,7 @@ import numpy as np
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.strategies import ORDER_KEEPING, STRATEGIES, assign_bins, group_by_bin
 
-__all__ = ["OVERFLOW_POLICIES", "STRATEGIES", "PackPlan", "plan_packs"]
+__all__ = ["OVERFLOW_POLICIES", "STRATEGIES", "PackPlan", "check_plan_settings", "plan_packs"]
 
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 """What to do with an example longer than ``capacity``, default first."""
@@ -139,7 +139,7 @@ def _check_int(field: str, value: Any, *, minimum: int) -> int:
     return int(value)
 
 
-def _check_settings(capacity: Any, strategy: str, overflow: str, seed: Any) -> tuple[int, int | None]:
+def check_plan_settings(capacity: Any, strategy: str, overflow: str, seed: Any) -> tuple[int, int | None]:
     """``(capacity, seed)`` as ints, after checking every setting of :func:`plan_packs` but the lengths."""
     capacity = _check_int("capacity", capacity, minimum=1)
     if strategy not in STRATEGIES:
@@ -156,8 +156,11 @@ def _check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     except (TypeError, ValueError) as err:
         raise InputError(f"lengths: expected a 1-D sequence of ints; could not read it as an array ({err})") from None
     if array.ndim != 1:
-        raise InputError(f"lengths: expected a 1-D sequence of ints (one token count per example); "
-                         f"got shape {list(array.shape)}")
+        got = type(lengths).__name__ if array.ndim == 0 else f"shape {list(array.shape)}"
+        raise InputError(f"lengths: expected a 1-D sequence of ints (one token count per example; a list or array, "
+                         f"not a generator); got {got}")
+    if array.size and array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
+        raise InputError(f"lengths: expected token counts below 2**63; got {int(array.max())}")
     if array.size and (array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)):
         raise InputError(f"lengths: expected integer token counts; got dtype {array.dtype} "
                          f"(convert with np.asarray(lengths, dtype=np.int64))")
@@ -200,20 +203,25 @@ def _assign_packs(sizes: np.ndarray, capacity: int, strategy: str,
         order = np.arange(sizes.size, dtype=np.int64)
     else:
         order = rng.permutation(sizes.size).astype(np.int64)
-    bin_of_item, num_packs = assign_bins(sizes, capacity, strategy, order)
+    # the strategies index by free space (memory O(capacity)): beyond the total, every document fits one pack anyway
+    bin_of_item, num_packs = assign_bins(sizes, min(capacity, max(int(sizes.sum()), 1)), strategy, order)
     pack_rank = (np.arange(num_packs, dtype=np.int64) if rng is None
                  else rng.permutation(num_packs).astype(np.int64))
     return group_by_bin(bin_of_item, pack_rank)
 
 
-def _limit_documents(pack_offsets: np.ndarray, max_documents: int) -> np.ndarray:
-    """``pack_offsets`` with every pack of more than ``max_documents`` items cut, in order, into packs of at
-    most ``max_documents`` (the items stay where they are: only offsets are added)."""
+def _limit_documents(items: np.ndarray, sizes: np.ndarray, pack_offsets: np.ndarray,
+                     max_documents: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(items, pack_offsets)`` with every pack of more than ``max_documents`` items cut into packs of at most
+    ``max_documents``, its items taken longest first (ties by item: which pieces share a pack then depends on the
+    pack's lengths only, never on the seed)."""
+    pack_of = np.repeat(np.arange(pack_offsets.size - 1), np.diff(pack_offsets))
+    items = items[np.lexsort((items, -sizes[items], pack_of))]
     counts = np.diff(pack_offsets)
     pieces = -(-counts // max_documents)
     first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
     starts = np.repeat(pack_offsets[:-1], pieces) + max_documents * (np.arange(pieces.sum()) - first_piece)
-    return np.append(starts, pack_offsets[-1]).astype(np.int64)
+    return items, np.append(starts, pack_offsets[-1]).astype(np.int64)
 
 
 def _pack_tokens(item_lengths: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
@@ -262,7 +270,7 @@ def plan_packs(
             of packs or the multiset of document lengths in each pack.
         max_documents: no pack holds more documents than this (the static batches of
             ``PackingCollator(pack_length=capacity, max_documents=...)``, docs/compile.md): a pack the
-            strategy filled with more is cut, in order, into several.
+            strategy filled with more is cut into several, its documents taken longest first.
 
     Returns:
         A :class:`PackPlan`; every kept token of every example appears in exactly one pack, and the
@@ -272,13 +280,14 @@ def plan_packs(
         InputError: (a ``ValueError``) malformed ``lengths`` / ``capacity`` / ``seed``, unknown
             ``strategy`` or ``overflow``, or (``overflow="error"``) an example longer than ``capacity``.
     """
-    capacity, seed = _check_settings(capacity, strategy, overflow, seed)
+    capacity, seed = check_plan_settings(capacity, strategy, overflow, seed)
     lengths = _check_lengths(lengths)
     example_index, start, stop = _documents(lengths, capacity, overflow)
     rng = np.random.default_rng(seed) if seed is not None else None
     items, pack_offsets = _assign_packs(stop - start, capacity, strategy, rng)
     if max_documents is not None:
-        pack_offsets = _limit_documents(pack_offsets, _check_int("max_documents", max_documents, minimum=1))
+        items, pack_offsets = _limit_documents(items, stop - start, pack_offsets,
+                                               _check_int("max_documents", max_documents, minimum=1))
     example_index, start, stop = example_index[items], start[items], stop[items]
     pack_tokens = _pack_tokens(stop - start, pack_offsets)
     return PackPlan(

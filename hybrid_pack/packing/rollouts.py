@@ -48,12 +48,16 @@ def _flat(field: str, values: Sequence[Any], lengths: np.ndarray, dtype: type) -
     """One array of ``sum(lengths)`` entries from per-sample sequences, each checked against its length."""
     if len(values) != lengths.shape[0]:
         raise InputError(f"{field}: expected one entry per sample ({lengths.shape[0]}); got {len(values)}")
-    arrays = [np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=dtype) for v in values]
+    arrays = [np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v) for v in values]
     for i, (array, n) in enumerate(zip(arrays, lengths.tolist(), strict=True)):
         if array.ndim != 1 or array.shape[0] != n:
-            raise InputError(f"{field}[{i}]: expected a flat sequence of {n} values (one per token); "
+            expected = f"{n} values" if array.ndim == 1 else "values"
+            raise InputError(f"{field}[{i}]: expected a flat sequence of {expected} (one per token); "
                              f"got shape {list(array.shape)}")
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+        if dtype is np.int64 and array.size and array.dtype.kind not in "iub":  # a float id or mask: never rounded
+            raise InputError(f"{field}[{i}]: expected integers; got dtype {array.dtype} (cast it first, e.g. "
+                             f"[int(t) for t in ...])")
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
 def _token_lengths(sequences: Sequence[TokenIds]) -> np.ndarray:

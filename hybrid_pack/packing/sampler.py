@@ -22,6 +22,7 @@ kept document is seen exactly once per epoch across ranks.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import warnings
 from collections.abc import Iterator, Sequence
@@ -133,7 +134,8 @@ class PackedBatchSampler(Sampler[Batch]):
         max_documents: int | None = None,
     ) -> None:
         self.num_replicas = _check_int("num_replicas", num_replicas, 1)
-        if rank is not None and not (isinstance(rank, (int, np.integer)) and 0 <= rank < num_replicas):
+        if rank is not None and (isinstance(rank, bool) or not (isinstance(rank, (int, np.integer))
+                                                                and 0 <= rank < num_replicas)):
             raise InputError(f"rank: expected an int in [0, {num_replicas}) or None (all ranks interleaved); "
                              f"got {rank!r}")
         self.rank = None if rank is None else int(rank)
@@ -208,7 +210,8 @@ class PackedBatchSampler(Sampler[Batch]):
             self._epoch, self._yielded, self._resume_step = epoch, 0, 0
 
     def __len__(self) -> int:
-        """Batches one iteration yields: steps per rank, or steps x ranks with ``rank=None``."""
+        """Batches a whole epoch yields: steps per rank, or steps x ranks with ``rank=None`` (an iteration resumed
+        by :meth:`load_state_dict` yields those from its step on)."""
         return self.num_steps * (self.num_replicas if self.rank is None else 1)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -225,22 +228,34 @@ class PackedBatchSampler(Sampler[Batch]):
             yield batch
 
     # ------------------------------------------------------------ resumption
-    def _fingerprint(self) -> dict[str, int]:
+    def _fingerprint(self) -> dict[str, int | str]:
+        plan = self.plan
+        digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in (
+            plan.example_index, plan.start, plan.stop, self._items, self._pack_offsets))).hexdigest()[:16]
         return {"seed": self.seed, "num_replicas": self.num_replicas, "packs_per_step": self.packs_per_step,
                 "num_packs": self.num_packs, "num_examples": self.plan.num_examples, "capacity": self.plan.capacity,
-                "batches_per_epoch": len(self)}
+                "batches_per_epoch": len(self), "shuffle": int(self.shuffle), "cost": repr(self.cost), "plan": digest}
 
-    def state_dict(self) -> dict[str, int]:
-        """``epoch``, ``step`` (batches yielded in this epoch) and the settings a resume must share."""
+    def state_dict(self) -> dict[str, int | str]:
+        """``epoch``, ``step`` (batches yielded in this epoch) and the settings a resume must share (``plan``: a
+        digest of the packs, so other data or packing settings with the same counts are told apart)."""
         return {"epoch": self._epoch, "step": self._yielded, **self._fingerprint()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
         """Resume: the next iteration yields the batches of ``state["epoch"]`` from ``state["step"]`` on
         (none if the epoch was complete); later iterations start from the beginning again."""
+        if not isinstance(state, dict):
+            raise InputError(f"state: expected the dict state_dict() returned; got {type(state).__name__}")
+        missing = [key for key in self._fingerprint() if key not in state]
+        if missing:  # saved by an earlier version: what it holds is checked, the rest cannot be
+            warnings.warn(f"state_dict: the checkpoint has no {missing} (saved by an earlier hybrid_pack): the resume "
+                          "cannot check that the data and settings are the interrupted run's", stacklevel=2)
         for key, value in self._fingerprint().items():
             if key in state and state[key] != value:
-                raise InputError(f"state_dict: {key} is {state[key]} in the checkpoint but {value} here; "
-                                 f"resume with the sampler settings of the interrupted run")
+                what = "the packs differ: other data or packing settings" if key == "plan" else \
+                    f"{key} is {state[key]} in the checkpoint but {value} here"
+                raise InputError(f"state_dict: {what}; resume with the data and sampler settings of the "
+                                 f"interrupted run")
         epoch = _check_int("epoch", state.get("epoch"), 0)
         step = _check_int("step", state.get("step"), 0)
         if step > len(self):

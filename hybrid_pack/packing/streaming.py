@@ -118,7 +118,15 @@ class PackStream(IterableDataset):
         if not isinstance(example, Mapping) or self.length_key not in example:
             got = f"keys {sorted(example)}" if isinstance(example, Mapping) else type(example).__name__
             raise InputError(f"source[{position}]: expected a dict with a {self.length_key!r} sequence; got {got}")
-        length = len(example[self.length_key])
+        tokens = example[self.length_key]
+        nested = isinstance(tokens, (list, tuple)) and len(tokens) > 0 and isinstance(tokens[0], (list, tuple))
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or getattr(tokens, "ndim", 1) != 1 \
+                or nested:  # a [1, T] row would count as one token
+            got = type(tokens).__name__ if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") \
+                else f"shape {list(np.shape(tokens))}"
+            raise InputError(f"source[{position}].{self.length_key}: expected a flat sequence (one entry per token); "
+                             f"got {got}")
+        length = len(tokens)
         if length == 0:
             raise InputError(f"source[{position}].{self.length_key}: expected at least one token; got an empty "
                              f"sequence (filter empty examples out of the stream)")

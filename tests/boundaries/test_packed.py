@@ -60,6 +60,14 @@ def test_from_batch_prefers_cu_seqlens_and_checks_agreement():
     assert PackedBoundaries.from_batch(only_pos).segment_lengths == (2, 3)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         PackedBoundaries.from_batch({"input_ids": torch.zeros(1, 3)})
+    # without host_boundaries, dtypes were not checked: float positions truncated to the right ints passed, and a
+    # list of the right values was called "disagree"
+    with pytest.raises(ValueError, match="position_ids: expected a torch.int64 tensor .* got torch.float32"):
+        PackedBoundaries.from_batch(dict(batch, position_ids=b.position_ids + 0.4))
+    with pytest.raises(ValueError, match="seq_idx: expected a torch.int32 tensor .* got list"):
+        PackedBoundaries.from_batch(dict(batch, seq_idx=b.seq_idx.tolist()))
+    with pytest.raises(ValueError, match="batch: expected the collated batch .* got list"):
+        PackedBoundaries.from_batch([{"input_ids": [1, 2]}])
 
 
 def test_to_keeps_max_seqlen_an_int():
@@ -90,6 +98,13 @@ def test_hf_kwargs_names():
     (lambda: PackedBoundaries.from_position_ids(torch.tensor([[0, 1, 3]])), "position_ids"),
     (lambda: PackedBoundaries.from_position_ids(torch.tensor([[1, 2, 3]])), "position_ids"),
     (lambda: PackedBoundaries.from_position_ids(torch.tensor([[0.0, 1.0]])), "position_ids"),
+    # fla's chunk index of chunk_size 0 was an empty tensor (5 tokens in no chunk), kept on the object
+    (lambda: PackedBoundaries.from_lengths([3, 2]).kernel_chunk_index(0), "chunk_size: expected a positive int"),
+    (lambda: PackedBoundaries.from_lengths([3, 2]).kernel_chunk_index(2.5), "chunk_size"),
+    (lambda: PackedBoundaries.from_lengths([3, 2]).chunk_layout(True), "chunk_size"),
+    # a float count was blamed on the lengths; a bool was taken as 1
+    (lambda: PackedBoundaries.from_document_lengths([1, 2], num_pad_tokens=2.5), "num_pad_tokens: expected an int"),
+    (lambda: PackedBoundaries.from_document_lengths([1, 2], num_pad_tokens=True), "num_pad_tokens: expected an int"),
 ])
 def test_malformed_input_names_the_field(make, field):
     with pytest.raises(ValueError, match=field):

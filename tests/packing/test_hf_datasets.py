@@ -53,3 +53,21 @@ def test_errors_name_the_column(tmp_path):
         tokenize_and_plan(dataset, CallableTokenizer(), 8, text_column="body")
     with pytest.raises(InputError, match=r"text\[1\]"):
         tokenize_and_plan(dataset, CallableTokenizer(), 8, cache_file_name=str(tmp_path / "e.arrow"))
+
+
+def test_settings_are_checked_before_the_tokenization_pass():
+    """A typo in capacity cost the whole (long) tokenization pass first; a list of rows raised AttributeError."""
+    calls = []
+
+    def tokenizer(texts):
+        calls.append(len(texts))
+        return [[ord(c) for c in t] for t in texts]
+
+    dataset = datasets.Dataset.from_dict({"text": ["ab", "cde"] * 5})
+    for kwargs, field in (({"capacity": 0}, "capacity"), ({"capacity": 8, "strategy": "best"}, "strategy"),
+                          ({"capacity": 8, "overflow": "wrap"}, "overflow")):
+        with pytest.raises(InputError, match=f"^{field}: expected"):
+            tokenize_and_plan(dataset, tokenizer, **kwargs)
+    assert calls == []
+    with pytest.raises(InputError, match="dataset: expected a datasets.Dataset .* got list"):
+        tokenize_and_plan([{"text": "ab"}], tokenizer, 8)

@@ -215,7 +215,9 @@ def test_too_long_example_names_the_example_and_the_fix():
 
 @pytest.mark.parametrize("bad, message", [
     ([[1, 2], [3, 4]], r"lengths: expected a 1-D sequence.*shape \[2, 2\]"),
-    (5, r"lengths: expected a 1-D sequence.*shape \[\]"),
+    (5, r"lengths: expected a 1-D sequence.*got int"),
+    ((n for n in [3, 4]), r"lengths: expected a 1-D sequence.*not a generator\); got generator"),
+    (np.array([2**63 + 1], dtype=np.uint64), r"lengths: expected token counts below 2\*\*63"),  # wrapped negative
     ([1.5, 2.0], r"lengths: expected integer token counts; got dtype float64.*np.asarray"),
     (["3", "4"], r"lengths: expected integer token counts"),
     ([True, False], r"lengths: expected integer token counts; got dtype bool"),
@@ -356,3 +358,18 @@ def test_max_documents_bounds_every_pack_and_keeps_every_token(strategy):
 def test_max_documents_must_be_positive():
     with pytest.raises(InputError, match="max_documents"):
         plan_packs([1, 2], 8, max_documents=0)
+
+
+def test_a_capacity_far_above_the_documents_costs_no_memory():
+    """The strategies index by free space: capacity 2**31 - 1 for two short documents allocated about 40 GB."""
+    import tracemalloc
+
+    plan_packs([3, 5], 16)  # the strategies' compilation, outside the measure
+    tracemalloc.start()
+    try:
+        plan = plan_packs([3, 5], 10**8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.packs() == [[(0, 0, 3), (1, 0, 5)]] and plan.capacity == 10**8
+    assert peak < 10 * 2**20, peak  # 1.9 GB before

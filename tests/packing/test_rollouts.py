@@ -120,6 +120,9 @@ def test_tensor_inputs_and_default_masks():
     ({"old_logprobs": [[0.1], [0.1]]}, r"old_logprobs\[1\]"),
     ({"overflow": "split"}, "overflow"),
     ({"responses": [[1], []]}, r"responses\[1\]"),
+    ({"tool_masks": [[0], [0, 0.6]]}, r"tool_masks\[1\]: expected integers; got dtype float64"),  # was rounded to 0
+    ({"prompts": [[7.5], [8]]}, r"prompts\[0\]: expected integers"),
+    ({"prompts": [torch.tensor([[7, 9]]), [8]]}, r"prompts\[0\]: expected a flat sequence of values .* \[1, 2\]"),
 ])
 def test_bad_inputs_name_the_field(kwargs, field):
     arguments = {"prompts": [[7], [8]], "responses": [[1], [2, 3]], "capacity": 16, **kwargs}

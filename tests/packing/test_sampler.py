@@ -234,9 +234,27 @@ def test_state_dict_rejects_a_different_setup():
         sampler.load_state_dict({**state, "step": len(sampler) + 1})
 
 
+def test_a_state_from_other_data_or_settings_is_refused():
+    """Only counts were compared: a checkpoint of other data with as many examples and packs (or of shuffle=False)
+    resumed silently, skipping some examples and repeating others."""
+    lengths = [5, 3, 7, 2, 8, 1, 6, 4, 9, 3, 2, 7]
+    sampler = PackedBatchSampler(lengths, 10, seed=0)
+    batches = iter(sampler)
+    next(batches)
+    state = sampler.state_dict()
+    with pytest.raises(InputError, match="state_dict: the packs differ"):
+        PackedBatchSampler(lengths[::-1], 10, seed=0).load_state_dict(state)
+    with pytest.raises(InputError, match="state_dict: shuffle is 1 in the checkpoint but 0 here"):
+        PackedBatchSampler(lengths, 10, seed=0, shuffle=False).load_state_dict(state)
+    with pytest.raises(InputError, match="state: expected the dict"):
+        sampler.load_state_dict(None)
+    with pytest.warns(UserWarning, match="saved by an earlier hybrid_pack"):
+        PackedBatchSampler(lengths, 10, seed=0).load_state_dict({"epoch": 0, "step": 1})
+
+
 def test_set_epoch_discards_a_resume_meant_for_another_epoch():
     sampler = PackedBatchSampler(list(range(1, 60)), 64)
-    sampler.load_state_dict({"epoch": 0, "step": 3})
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 0, "step": 3})
     sampler.set_epoch(1)
     fresh = PackedBatchSampler(list(range(1, 60)), 64)
     fresh.set_epoch(1)
@@ -245,6 +263,7 @@ def test_set_epoch_discards_a_resume_meant_for_another_epoch():
 
 @pytest.mark.parametrize("kwargs,field", [({"num_replicas": 0}, "num_replicas"),
                                           ({"rank": 2, "num_replicas": 2}, "rank"),
+                                          ({"rank": True, "num_replicas": 2}, "rank"),
                                           ({"packs_per_step": 0}, "packs_per_step"), ({"seed": -1}, "seed"),
                                           ({"strategy": "best"}, "strategy"), ({"overflow": "wrap"}, "overflow")])
 def test_bad_arguments_raise(kwargs, field):

@@ -143,3 +143,7 @@ def test_errors_name_the_field():
         list(pack_stream([{"input_ids": [1] * 100}], 64, overflow="error"))
     with pytest.raises(InputError, match="at least one token"):
         list(pack_stream([{"input_ids": []}], 64))
+    # a [1, T] row counted as one token: over-capacity packs, a report that did not add up
+    for ids, got in ((torch.arange(20)[None], r"shape \[1, 20\]"), ([[1, 2]], r"shape \[1, 2\]"), (5, "int")):
+        with pytest.raises(InputError, match=rf"source\[0\]\.input_ids: expected a flat sequence .* got {got}"):
+            list(pack_stream([{"input_ids": ids}], 8, overflow="truncate"))

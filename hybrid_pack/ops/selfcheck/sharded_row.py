@@ -54,13 +54,15 @@ def cp_check(backend: Implementation, reference: Callable[..., Any], contract: O
     try:
         actual, actual_grads = _outputs_and_grads(contract, backend.fn, case, sharded, requires_grad)
         expected, expected_grads = _outputs_and_grads(contract, reference, case, sharded, requires_grad)
-        tolerance = self_check_tolerance([case.precision()])
-        worst = compare("outputs", actual, expected, tolerance)
-        worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))
+        plain = actual
         if requires_grad:  # its verdict serves calls without gradients too, which may take a path of their own
             with torch.no_grad():
                 plain, _ = _outputs_and_grads(contract, backend.fn, case, sharded, False)
-            worst = max(worst, compare("outputs without gradients", plain, expected, tolerance))
+        # every call above is collective: all run on every rank before any comparison may fail on one of them
+        tolerance = self_check_tolerance([case.precision()])
+        worst = compare("outputs", actual, expected, tolerance)
+        worst = max(worst, compare("gradients", actual_grads, expected_grads, GRADIENT_FACTOR * tolerance))
+        worst = max(worst, compare("outputs without gradients", plain, expected, tolerance))
         reason = ""
     except Mismatch as mismatch:
         worst, reason = mismatch.error, (f"context-parallel self-check: {mismatch.what} differs from the pure-torch "
