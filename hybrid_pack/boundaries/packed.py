@@ -48,6 +48,19 @@ def _fail(field: str, expected: str, got: str) -> None:
     raise BoundaryError(f"{field}: expected {expected}; got {got}")
 
 
+def _usable_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` parsed, or :class:`BoundaryError` naming it (not a device, or CUDA this torch cannot reach)."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        _fail("device", "cpu, cuda, cuda:1 ...", repr(device))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail("device", "a device this torch can use", f"{device} (this torch sees no CUDA device)")
+    return device
+
+
 def _pad_count(num_pad_tokens: Any) -> int:
     """``num_pad_tokens`` (an int, or a 0-d integer tensor or array) as an int >= 0; a bool or a float is refused,
     naming the field."""
@@ -188,6 +201,7 @@ class PackedBoundaries:
         lengths and the padding apart, use :meth:`from_document_lengths`.
         """
         arr = _as_int_array("lengths", segment_lengths, ndim_ok=(1,))
+        device = _usable_device(device)
         if arr.size == 0:
             _fail("lengths", "at least one segment", "an empty list")
         if (arr <= 0).any():
@@ -240,6 +254,8 @@ class PackedBoundaries:
             i = int(np.argmax(steps <= 0))
             _fail("cu_seqlens", "strictly increasing values (no zero-length or negative segments)",
                   f"{int(cu[i])} then {int(cu[i + 1])} at positions {i}, {i + 1}")
+        if int(cu[-1]) > _INT32_MAX:
+            _fail("cu_seqlens", "a total below 2**31 tokens (cu_seqlens is int32)", f"{int(cu[-1])}")
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
         return cls.from_lengths(steps, device=device, num_pad_tokens=num_pad_tokens)
 

@@ -105,6 +105,8 @@ def test_hf_kwargs_names():
     # a float count was blamed on the lengths; a bool was taken as 1
     (lambda: PackedBoundaries.from_document_lengths([1, 2], num_pad_tokens=2.5), "num_pad_tokens: expected an int"),
     (lambda: PackedBoundaries.from_document_lengths([1, 2], num_pad_tokens=True), "num_pad_tokens: expected an int"),
+    (lambda: PackedBoundaries.from_lengths([1, 2], device="gpu0"), "device: expected cpu, cuda"),
+    (lambda: PackedBoundaries.from_cu_seqlens(torch.tensor([0, 2**31 - 1, 2**31])), "cu_seqlens: expected a total"),
 ])
 def test_malformed_input_names_the_field(make, field):
     with pytest.raises(ValueError, match=field):
