@@ -60,9 +60,6 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
                           dtypes=tuple(dtypes), backward=backward, **details)
     contract_of(backend.op)
     _refuse_malformed(backend)
-    if backend.reference and backend.sharded:
-        raise InputError(f"sharded: the reference backend of {backend.op!r} serves whole rows; a sharded row's "
-                         "reference is the op's own context-parallel path")
     if any(b.name == backend.name for b in _BACKENDS[backend.op]):
         if not replace:
             raise InputError(f"name: backend {backend.name!r} is already registered for op {backend.op!r} "
@@ -76,7 +73,7 @@ def register(op: str | Backend, name: str | None = None, fn: Callable[..., Any] 
 
 
 def _refuse_malformed(backend: Backend) -> None:
-    """InputError naming the field of ``backend`` that cannot be used (priority, devices, fn)."""
+    """InputError naming the field of ``backend`` that cannot be used (priority, devices, reference, sharded, fn)."""
     lowest = 0 if backend.reference or backend.sharded else 1
     if not isinstance(backend.priority, numbers.Integral) or isinstance(backend.priority, bool) \
             or backend.priority < lowest:
@@ -89,6 +86,9 @@ def _refuse_malformed(backend: Backend) -> None:
         except RuntimeError:
             raise InputError(f"devices: expected device types such as ('cuda',) or ('cpu', 'cuda'); got "
                              f"{backend.devices!r}") from None
+    if backend.reference and backend.sharded:
+        raise InputError(f"sharded: the reference backend of {backend.op!r} serves whole rows; a sharded row's "
+                         "reference is the op's own context-parallel path")
     others = [b.name for b in _BACKENDS[backend.op] if b.reference and b.name != backend.name]
     if backend.reference and others:
         raise InputError(f"reference: op {backend.op!r} has its pure-torch reference {others[0]!r} (the oracle every "
