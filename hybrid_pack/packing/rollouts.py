@@ -13,6 +13,7 @@ log-probabilities in the same alignment.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -234,8 +235,24 @@ def pack_rollouts(
     is_response = _response_tokens(sample_start, prompt_lengths)
     input_ids = _token_ids(prompts, responses, prompt_lengths, response_lengths, is_response)
     fields = _rollout_fields(is_response, lengths, response_lengths, tool_masks, advantages, old_logprobs)
+    _show_overflow(plan, lengths, prompt_lengths)
     return _collate_packs(plan, sample_start, input_ids, _policy_labels(input_ids, fields), fields,
                           pad_to_multiple_of)
+
+
+def _show_overflow(plan: PackPlan, lengths: np.ndarray, prompt_lengths: np.ndarray) -> None:
+    """Warn with the count and the first samples of the rollouts ``overflow`` dropped or cut (none: silent)."""
+    over = np.flatnonzero(lengths > plan.capacity)
+    if over.size == 0:
+        return
+    shown = ", ".join(map(str, over[:8].tolist())) + (", ..." if over.size > 8 else "")
+    if plan.overflow == "drop":
+        what = "left them out: their indices appear in no sample_index"
+    else:
+        cut = int((prompt_lengths[over] >= plan.capacity).sum())
+        what = "cut their response tails" + (f"; {cut} of them keep no response token (no gradient)" if cut else "")
+    warnings.warn(f"pack_rollouts: {over.size} of {len(lengths)} rollouts are longer than capacity={plan.capacity} "
+                  f"(samples {shown}); overflow={plan.overflow!r} {what}", stacklevel=3)
 
 
 def tool_masks_from_trl(tool_mask: torch.Tensor | Sequence[Sequence[int]],

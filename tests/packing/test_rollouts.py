@@ -94,13 +94,18 @@ def test_overflow_truncate_and_drop():
     responses = [[4] * 100, [5] * 5, [6] * 5]
     with pytest.raises(InputError, match="capacity"):
         pack_rollouts(prompts, responses, 64)
-    truncated = pack_rollouts(prompts, responses, 64, overflow="truncate",
-                              old_logprobs=[[0.5] * len(r) for r in responses])
+    with pytest.warns(UserWarning, match=r"1 of 3 rollouts are longer than capacity=64 \(samples 0\); "
+                      r"overflow='truncate' cut their response tails$"):
+        truncated = pack_rollouts(prompts, responses, 64, overflow="truncate",
+                                  old_logprobs=[[0.5] * len(r) for r in responses])
     docs = [d for b in truncated for d in _documents(b)]
     long = next(d for d in docs if d["sample_index"][0] == 0)
     assert long["input_ids"] == [1] * 10 + [4] * 54 and long["old_logprobs"] == [0.0] * 10 + [0.5] * 54
-    dropped = pack_rollouts(prompts, responses, 64, overflow="drop")
+    with pytest.warns(UserWarning, match=r"1 of 3 rollouts .* overflow='drop' left them out"):
+        dropped = pack_rollouts(prompts, responses, 64, overflow="drop")
     assert sorted(d["sample_index"][0] for b in dropped for d in _documents(b)) == [1, 2]
+    with pytest.warns(UserWarning, match=r"samples 0, 1\); .* 1 of them keep no response token"):
+        pack_rollouts([[1] * 70, [2] * 60], [[3], [4] * 10], 64, overflow="truncate")
 
 
 def test_tensor_inputs_and_default_masks():
