@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries, require_row_count
 from hybrid_pack.boundaries.targets import shift_labels
 from hybrid_pack.errors import InputError
 from hybrid_pack.schema import IGNORE_INDEX
@@ -112,6 +112,7 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
         raise InputError("reduction: 'sequence' needs whole documents, and these boundaries are one rank's shard "
                          "of a context-parallel row; use reduction='token'")
     logprobs, mask = token_logprobs(logits, labels, boundaries=boundaries, shifted=shifted)
+    require_row_count(boundaries, num_items_in_batch)
     if reduction == "token":
         total = -logprobs.sum()
         count = mask.sum() if num_items_in_batch is None else num_items_in_batch

@@ -196,4 +196,6 @@ def test_unshifted_labels_on_a_context_parallel_shard_raise() -> None:
     logits, labels = torch.randn(1, 4, 7), torch.randint(0, 7, (1, 4))
     with pytest.raises(InputError, match="shift_labels"):
         packed_loss(logits, labels, boundaries=shard)
-    assert torch.isfinite(packed_loss(logits, labels, boundaries=shard, shifted=True))
+    with pytest.raises(InputError, match="^num_items_in_batch: a context-parallel shard's loss"):
+        packed_loss(logits, labels, boundaries=shard, shifted=True)  # would divide by the shard's own count
+    assert torch.isfinite(packed_loss(logits, labels, boundaries=shard, shifted=True, num_items_in_batch=6))

@@ -336,7 +336,7 @@ class PackedBoundaries:
                                  if batch.get(key) is not None}}
         if host is not None:
             return cls._from_host(host, batch)
-        num_pad = int(batch.get(NUM_PAD_TOKENS, 0) or 0)
+        num_pad = 0 if batch.get(NUM_PAD_TOKENS) is None else int(batch[NUM_PAD_TOKENS])  # one read, not two
         if getattr(batch.get(POSITION_IDS), "ndim", 2) == 3:   # M-RoPE ids [3, 1, T] (§3b): not boundaries
             if batch.get(CU_SEQ_LENS_Q) is None and batch.get(SEQ_IDX) is None:
                 raise BoundaryError(f"{POSITION_IDS}: 3-D (M-RoPE) position ids do not say where documents start; "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
 
-__all__ = ["ShardedBoundaries", "LAYOUTS", "layout_chunks"]
+__all__ = ["ShardedBoundaries", "LAYOUTS", "layout_chunks", "require_row_count"]
 
 LAYOUTS = ("contiguous", "zigzag")
 """How a row's ``T`` tokens may be distributed over ``R`` ranks: ``"contiguous"``, rank ``r`` holding
@@ -287,6 +287,21 @@ class ShardedBoundaries:
         return (f"ShardedBoundaries(rank={self.rank}/{self.world_size}, layout={self.layout!r}, "
                 f"chunks={list(self.chunks)}, local={self.local!r}, "
                 f"chunk_first_positions={list(self.chunk_first_positions[self.rank])})")
+
+
+def require_row_count(boundaries: object, num_items_in_batch: object, *, labels_given: bool = False) -> None:
+    """Refuse a loss on a context-parallel shard that would divide by the shard's own target count (the shards'
+    losses then sum to about R times the row's): InputError naming ``num_items_in_batch`` (``labels_given``:
+    unshifted ``labels`` without ``shift_labels``, shifted within the shard, naming ``labels``)."""
+    if not isinstance(boundaries, ShardedBoundaries):
+        return
+    if labels_given:
+        raise InputError("labels: a context-parallel shard's last target is the next rank's first label; pass the "
+                         "shard's shift_labels and num_items_in_batch from shard_batch")
+    if num_items_in_batch is None:
+        raise InputError("num_items_in_batch: a context-parallel shard's loss is its share of the row's, divided by "
+                         "the whole row's target count; pass the num_items_in_batch shard_batch adds (summed over "
+                         "the step's micro-batches)")
 
 
 def _check_split(total: int, world_size: int, rank: int, layout: str) -> None:

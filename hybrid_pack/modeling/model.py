@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.host import HostBoundaries, StaticHostBoundaries
-from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries, require_row_count
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.boundaries.targets import shift_labels as shifted_targets
 from hybrid_pack.errors import BoundaryError, InputError
@@ -85,7 +85,10 @@ class CausalLMOutput:
         """``[B, T, vocab_size]`` in the model's dtype; computed from ``last_hidden_state`` on first read."""
         if self.computed_logits is None:
             if isinstance(self.head.weight, DTensor):  # FSDP2 sharded the head again after the forward: gather it
-                self.computed_logits = F.linear(self.last_hidden_state, self.head.weight.full_tensor())
+                # the gathered weight's gradient is reduce-scattered (averaged) like FSDP2's own
+                weight = self.head.weight
+                weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+                self.computed_logits = F.linear(self.last_hidden_state, weight)
             else:
                 self.computed_logits = self.head(self.last_hidden_state)
         return self.computed_logits
@@ -272,8 +275,11 @@ class HybridForCausalLM(nn.Module):
             hidden_states = self.model(boundaries, input_ids=input_ids.reshape(1, -1))
         else:
             hidden_states = self.model(boundaries, inputs_embeds=inputs_embeds.reshape(1, rows * tokens, -1))
-        hidden_states = hidden_states.view(rows, tokens, -1)
+        if rows != 1:  # a packed row is [1, T, hidden] already: no view (FSDP2 hooks the outputs)
+            hidden_states = hidden_states.view(rows, tokens, -1)
         targets = self._targets(labels, shift_labels, boundaries, rows, tokens)
+        if targets is not None:
+            require_row_count(boundaries, num_items_in_batch)
         if targets is not None and self._fused_loss:
             loss = linear_cross_entropy(hidden_states, self.lm_head.weight, targets.view(rows, tokens),
                                         num_items=num_items_in_batch)

@@ -260,3 +260,26 @@ def test_text_model_class_is_served() -> None:
         for start, end in _documents(lengths):
             alone = reference(input_ids=ids[:, start:end]).last_hidden_state
             torch.testing.assert_close(packed[:, start:end], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_model_refuses_what_packed_calls_cannot_serve() -> None:
+    """Refused by patch_model itself, never at the first packed call (docs/api.md §6a)."""
+    model = tiny_vlm_model("glm5_next")
+    next(m for m in model.modules() if type(m).__name__ == "Glm5NextTextAttention"
+         and m.indexer is not None).indexer.index_kpool_always_select_tail = False
+    with pytest.raises(UnsupportedModelError, match="index_kpool_always_select_tail"):
+        patch_model(model)
+    model = tiny_vlm_model("glm5_next")
+    for module in model.modules():
+        if type(module).__name__ == "Glm5NextTextAttention":
+            module.attention_dropout = 0.5
+    with pytest.raises(UnsupportedModelError, match=r"config\.attention_dropout: 0\.5 .*Glm5NextTextAttention"):
+        patch_model(model)
+
+
+def test_packed_attention_weights_are_refused_by_name() -> None:
+    model = patch_model(tiny_vlm_model("glm5_next"))
+    model.set_attn_implementation("eager")
+    batch = PackedBoundaries.from_lengths([5, 3]).hf_kwargs()
+    with pytest.raises(InputError, match="^output_attentions: Glm5NextTextAttention forms no attention weights"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)), **batch, output_attentions=True)

@@ -128,11 +128,39 @@ def test_all_attention_granite_hybrid_is_patched_and_exact() -> None:
     assert _max_error_against_alone(model) < 1e-5
 
 
-def test_attention_dropout_is_refused_by_patch_model_itself() -> None:
-    config = tiny_config("qwen3_next")
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen4_exp"])  # qwen4_exp: its indexed attention too
+def test_attention_dropout_is_refused_by_patch_model_itself(family: str) -> None:
+    config = tiny_config(family)
     config.attention_dropout = 0.1
     with pytest.raises(UnsupportedModelError, match=r"config\.attention_dropout: 0\.1"):
         patch_model(_model(config))
+
+
+def test_indexed_attention_refuses_packed_attention_weights_by_name() -> None:
+    model = patch_model(_model(tiny_config("qwen4_exp")))
+    model.set_attn_implementation("eager")
+    with pytest.raises(InputError, match="^output_attentions: Qwen4ExpTextAttention forms no attention weights"):
+        model(**PackingCollator()(_documents()), output_attentions=True)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_minimax_sliding_window_from_its_config_is_served_exactly(implementation: str) -> None:
+    """MiniMax's attention applies ``config.sliding_window`` without holding it: the eager mask reads the config."""
+    config = tiny_config("minimax")
+    config.sliding_window = 4
+    model = _model(config)
+    model.set_attn_implementation(implementation)
+    patch_model(model)
+    assert _max_error_against_alone(model) < 3e-5
+
+
+def test_sequence_classification_heads_are_refused() -> None:
+    from transformers import Qwen3NextForSequenceClassification
+
+    config = tiny_config("qwen3_next")
+    config.num_labels, config.pad_token_id = 3, 0
+    with pytest.raises(UnsupportedModelError, match="^model: Qwen3NextForSequenceClassification pools each row"):
+        patch_model(Qwen3NextForSequenceClassification(config))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba", "jamba"])
@@ -172,7 +200,7 @@ def test_saved_patched_model_loads_plain_and_patches_again(family: str, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "mamba"])  # mamba: boundaries handed off to a child
 def test_fullgraph_compile_unpacked_and_static_packed(family: str) -> None:
     """``torch.compile(model, fullgraph=True)``: no graph break at all (fullgraph would raise), one graph for
     every static batch of one shape (a recompile raises), logits and gradients equal to eager (1e-5).

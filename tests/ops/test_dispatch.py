@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 
 from hybrid_pack import backends
 from hybrid_pack.boundaries.static import StaticBoundaries
@@ -134,6 +135,10 @@ def test_a_compiled_graph_fails_loudly_without_the_warm_up() -> None:
     compiled = torch.compile(lambda b: conv(args, b), backend="eager", fullgraph=True)
     with pytest.raises(Exception, match=r"could serve .* in a compiled graph .*backends\.verify\("):
         compiled(StaticBoundaries.from_boundaries(boundaries, max_documents=4))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda b: conv(args, b), backend="eager")  # not fullgraph: the error itself
+    with pytest.raises(backends.WarmUpError, match=r"could serve .* in a compiled graph"):
+        compiled(StaticBoundaries.from_boundaries(boundaries, max_documents=4))
     assert CALLS == []
 
 
@@ -169,6 +174,12 @@ def test_a_compiled_graph_follows_use_backends() -> None:
     assert len(CALLS) == served, "inside use_backends(conv='torch') the graph ran the planted kernel"
     torch.testing.assert_close(compiled(static), expected)
     assert len(CALLS) == served + 1, "after the block the graph is back on the planted kernel"
+    with torch._dynamo.config.patch(error_on_recompile=True):  # each forcing's graph is used again
+        for _ in range(10):
+            with backends.use_backends(conv="torch"):
+                compiled(static)
+            compiled(static)
+    assert len(CALLS) == served + 11
 
 
 def test_keys_tell_apart_what_signatures_tell_apart(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -412,3 +412,27 @@ def test_one_process_zigzag_shard_is_the_row_in_two_chunks():
     assert torch.equal(shard["input_ids"], batch["input_ids"])
     assert bounds.local.segment_lengths == (4, 1, 5, 4, 6) and bounds.local.num_pad_tokens == 6
     assert torch.equal(bounds.document_positions, batch["position_ids"])
+
+
+@pytest.mark.parametrize("key", ["pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"])
+def test_a_row_with_images_or_videos_is_refused(key):
+    batch = PackingCollator()([{"input_ids": [1, 2]}, {"input_ids": [3, 4]}])
+    with pytest.raises(InputError, match=f"^{key}: a row with images or videos cannot be split"):
+        shard_batch({**batch, key: torch.ones(1, 3)})
+    shard_batch({**batch, key: torch.ones(0, 3)})  # an empty one is no image
+
+
+def test_boundaries_of_another_row_and_a_group_of_another_kind_are_refused():
+    batch = PackingCollator()([{"input_ids": [1, 2]}, {"input_ids": [3, 4]}])
+    with pytest.raises(BoundaryError, match="^boundaries: describe 3 tokens; the row has 4"):
+        shard_batch({**batch, "boundaries": PackedBoundaries.from_lengths([3])})
+    with pytest.raises(InputError, match="^group: expected a process group"):
+        shard_batch(batch, [0, 1])
+
+
+def test_a_loss_on_a_shard_needs_the_rows_target_count():
+    batch = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    shard = shard_batch(batch)
+    logits = torch.randn(1, 5, 8, dtype=torch.float64)
+    with pytest.raises(InputError, match="^num_items_in_batch: a context-parallel shard's loss"):
+        packed_loss(logits, shard[SHIFT_LABELS], boundaries=shard["boundaries"], shifted=True)

@@ -19,13 +19,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from hybrid_pack import PackedBoundaries, PackingCollator
 from hybrid_pack.boundaries.sharded import LAYOUTS
 from hybrid_pack.distributed import end_process_group
 from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridConfig, HybridForCausalLM, from_preset
-from hybrid_pack.parallel import ShardedBoundaries, shard_batch
+from hybrid_pack.parallel import ShardedBoundaries, parallelize, shard_batch
 from hybrid_pack.testing import Layout, PackingGuard
 from tests.kit import (
     assert_close,
@@ -205,6 +207,47 @@ def check_errors(rank: int, world: int) -> None:
     model = attention_model()
     with PackingGuard(model, every=1):
         expect_input_error("boundaries", lambda: model(**shard_batch(batch)))
+    # Ranks given different rows (tokens, then lengths) raise on every rank instead of hanging or training on a row
+    # no rank holds; a mesh is a group; a loss on a shard needs the row's target count.
+    other_tokens = packed_batch(layout, 50, seed=rank)
+    expect_input_error("input_ids", lambda: shard_batch(other_tokens))
+    other_lengths = packed_batch(Layout("row", (2 + rank % 2, 3 * world - 2 - rank % 2)), 50, seed=0)
+    expect_input_error("input_ids", lambda: shard_batch(other_lengths))
+    mesh = init_device_mesh("cpu", (world,))
+    assert torch.equal(shard_batch(batch, mesh)["input_ids"], shard_batch(batch)["input_ids"])
+    expect_input_error("group", lambda: shard_batch(batch, list(range(world))))
+    moved = {**batch, "boundaries": PackedBoundaries.from_lengths([2 * world])}
+    expect_input_error("boundaries", lambda: shard_batch(moved))
+    whole = shard_batch(batch)
+    expect_input_error("num_items_in_batch", lambda: model(**{k: v for k, v in whole.items()
+                                                                if k != "num_items_in_batch"}))
+    hf_model = patched("lfm2")()
+    expect_input_error("num_items_in_batch", lambda: hf_model(**{k: v for k, v in whole.items()
+                                                                   if k != "num_items_in_batch"}))
+    expect_input_error("labels", lambda: hf_model(**{k: v for k, v in whole.items() if k != "shift_labels"}))
+    mrope = torch.arange(3 * world * 3).view(3, 1, -1)
+    expected = whole["boundaries"].take(mrope.transpose(1, 2)).transpose(1, 2)
+    got = shard_batch({**batch, "position_ids": mrope})["position_ids"]
+    assert got.shape == (3, 1, 3) and torch.equal(got, expected), f"M-RoPE position_ids are not this rank's: {got}"
+
+
+def check_fsdp_logits(tied: bool, rank: int, world: int) -> None:
+    """Under FSDP2 a loss built from the lazily computed logits (the head gathered after the forward) gives the
+    unsharded gradients, like the fused loss does."""
+    torch.manual_seed(0)
+    model = HybridForCausalLM(HybridConfig(vocab_size=97, hidden_size=32, layer_pattern="AA", intermediate_size=48,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           tie_word_embeddings=tied)).double()
+    sharded = parallelize(copy.deepcopy(model), mesh=None, fsdp=True)
+    batch = packed_batch(Layout("row", (9, 4 * world - 1)), 97, seed=1)
+    model(**batch).loss.backward()
+    shard = shard_batch(batch)
+    out = sharded(**shard)
+    loss = F.cross_entropy(out.logits[0], shard["shift_labels"][0], ignore_index=-100, reduction="sum")
+    (loss / shard["num_items_in_batch"] * world).backward()  # FSDP2 averages the gradients over the ranks
+    for name, want in model.named_parameters():
+        got = dict(sharded.named_parameters())[name].grad.full_tensor()
+        assert_close(got, want.grad, f"grad of {name}", tol=TOL[torch.float64])
 
 
 def cases(world: int) -> dict[str, Callable[[int], None]]:
@@ -232,6 +275,9 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
             out[group][f"hf_{family}-{cp}-float64"] = (lambda rank, family=family, cp=cp: check_model(
                 patched(family), model_layout, cp, torch.float64, world, loss_dtype=torch.float32))
     out["errors"]["bad_input"] = lambda rank: check_errors(rank, world)
+    for tied in (False, True):
+        out["models"][f"fsdp_logits_{'tied' if tied else 'untied'}_head"] = (
+            lambda rank, tied=tied: check_fsdp_logits(tied, rank, world))
     return out
 
 

@@ -22,8 +22,22 @@ import torch
 
 from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.attention import mark_attention, wrap_every_attention
-from hybrid_pack.integrations.transformers.entry import entry_modules, hand_off, handed_off, install_entry
-from hybrid_pack.integrations.transformers.families import FAMILIES, Family, PackedForward, WholeCall, family_of
+from hybrid_pack.integrations.transformers.entry import (
+    entry_modules,
+    hand_off,
+    handed_off,
+    install_entry,
+    mark_weightless,
+)
+from hybrid_pack.integrations.transformers.families import (
+    FAMILIES,
+    INDEXED_ATTENTION,
+    Family,
+    PackedForward,
+    WholeCall,
+    family_of,
+)
+from hybrid_pack.integrations.transformers.glm5_next import refuse_unselected_tail
 from hybrid_pack.integrations.transformers.keys import explicit_keys_in, stray_keys_error
 from hybrid_pack.integrations.transformers.mask import skip_masks_of_packed_calls
 from hybrid_pack.schema import BOUNDARIES
@@ -123,6 +137,8 @@ def _refuse_unserved_settings(model: torch.nn.Module, attention: list[torch.nn.M
                                             "supported on packed rows; patch a model without it")
         if not module.is_causal:
             raise UnsupportedModelError(f"{layer}.is_causal: only causal attention is supported on packed rows")
+        if hasattr(getattr(module, "indexer", None), "index_kpool_always_select_tail"):
+            refuse_unselected_tail(module.indexer)
 
 
 def patch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -148,10 +164,15 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         ``model``.
 
     Raises:
-        UnsupportedModelError: unsupported family, one whose layers were not found, or a setting of its
-            config that packed rows cannot serve exactly (named).
+        UnsupportedModelError: unsupported family, one whose layers were not found, a sequence-classification
+            head (one prediction per row), or a setting of its config that packed rows cannot serve exactly
+            (named).
     """
     target = _unwrapped(model)
+    if type(target).__name__.endswith("ForSequenceClassification"):
+        raise UnsupportedModelError(f"model: {type(target).__name__} pools each row into one prediction, and a "
+                                    "packed row holds several documents; classify padded batches with the "
+                                    "unpatched model (token-level heads such as ...ForCausalLM are served)")
     family = family_of(target)
     modules = _served_modules(target, family)
     if not is_patched(target):
@@ -183,9 +204,11 @@ def _patch_family(model: torch.nn.Module, family: Family, modules: list[torch.nn
         raise UnsupportedModelError(f"model: no {' / '.join(family.layers)} or attention module found in this "
                                     f"{family.name} model; this transformers version may have renamed them (see "
                                     "docs/transformers.md for the tested versions)")
-    _refuse_unserved_settings(model, attention)
+    _refuse_unserved_settings(model, _attention_modules(modules))
     for module, layer in layers:
         _patch_mixer(module, layer.forward)
+        if layer.kind is INDEXED_ATTENTION:
+            mark_weightless(module)
     for module in modules:
         child = family.hand_offs.get(type(module).__name__)
         if child is not None:
@@ -193,4 +216,4 @@ def _patch_family(model: torch.nn.Module, family: Family, modules: list[torch.nn
     wrap_every_attention()
     skip_masks_of_packed_calls(model)
     for module in attention:
-        mark_attention(module)
+        mark_attention(module, window_from_config=family.window_from_config)

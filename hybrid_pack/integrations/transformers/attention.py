@@ -38,11 +38,12 @@ def is_packed_attention(module: torch.nn.Module) -> bool:
     return getattr(module, _ATTENTION_FLAG, False)
 
 
-def mark_attention(module: torch.nn.Module) -> None:
-    """Let ``module`` (an attention layer of a patched model) take the packed path of every implementation."""
+def mark_attention(module: torch.nn.Module, *, window_from_config: bool = False) -> None:
+    """Let ``module`` (an attention layer of a patched model) take the packed path of every implementation;
+    ``window_from_config``: its sliding window is ``config.sliding_window`` (not an attribute of its own)."""
     if is_packed_attention(module):
         return
-    module.register_forward_pre_hook(_EagerDocumentMask(), with_kwargs=True)
+    module.register_forward_pre_hook(_EagerDocumentMask(window_from_config), with_kwargs=True)
     setattr(module, _ATTENTION_FLAG, True)
 
 
@@ -66,12 +67,16 @@ class _EagerDocumentMask:
     ``attention_mask`` it receives becomes the per-document causal mask, so the family's own eager attention runs
     on it and returns its weights. A class, so a patched model pickles; it holds nothing per call."""
 
+    def __init__(self, window_from_config: bool = False) -> None:
+        self.window_from_config = window_from_config
+
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         boundaries = kwargs.get(BOUNDARIES)
         if boundaries is None or getattr(getattr(module, "config", None), "_attn_implementation", EAGER) != EAGER:
             return None
         hidden = args[0] if args else kwargs[_HIDDEN_STATES]
-        mask = document_causal_mask(boundaries, hidden.dtype, getattr(module, "sliding_window", None))
+        holder = module.config if self.window_from_config and not hasattr(module, "sliding_window") else module
+        mask = document_causal_mask(boundaries, hidden.dtype, getattr(holder, "sliding_window", None))
         positional = list(inspect.signature(type(module).forward).parameters)[1:len(args) + 1]
         if ATTENTION_MASK in positional:
             args = tuple(mask if name == ATTENTION_MASK else arg for name, arg in zip(positional, args))

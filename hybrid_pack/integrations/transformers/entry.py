@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
-from hybrid_pack.boundaries.sharded import ShardedBoundaries
+from hybrid_pack.boundaries.sharded import ShardedBoundaries, require_row_count
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.integrations.transformers.attention import wrap_attention
@@ -45,17 +45,28 @@ from hybrid_pack.schema import (
     IMAGE_GRID_THW,
     INPUT_IDS,
     INPUTS_EMBEDS,
+    LABELS,
+    NUM_ITEMS_IN_BATCH,
     POSITION_IDS,
+    SHIFT_LABELS,
     USE_CACHE,
     VIDEO_GRID_THW,
 )
 
-__all__ = ["install_entry", "is_entry", "entry_modules", "packed_call_boundaries", "hand_off", "handed_off"]
+__all__ = ["install_entry", "is_entry", "entry_modules", "packed_call_boundaries", "hand_off", "handed_off",
+           "mark_weightless"]
 
 
 OUTPUT_ATTENTIONS = "output_attentions"
 _HIDDEN_STATES = "hidden_states"
 _ENTRY_FLAG = "_hybrid_pack_entry"
+_WEIGHTLESS_FLAG = "_hybrid_pack_weightless"
+
+
+def mark_weightless(module: torch.nn.Module) -> None:
+    """``module``'s packed forward forms no attention weights (an indexed attention): a packed call asking for
+    them is refused."""
+    setattr(module, _WEIGHTLESS_FLAG, True)
 
 
 def _tokens(arguments: dict[str, Any]) -> torch.Tensor | None:
@@ -189,6 +200,10 @@ def _refuse_attention_weights(module: torch.nn.Module, kwargs: dict[str, Any]) -
         raise InputError(f"{OUTPUT_ATTENTIONS}: attention weights of a packed row are returned with the 'eager' "
                          f"attention implementation only (this model uses {implementation!r}); call "
                          "model.set_attn_implementation('eager') first, or run each document unpacked")
+    weightless = [type(m).__name__ for m in module.modules() if getattr(m, _WEIGHTLESS_FLAG, False)] if wanted else []
+    if weightless:
+        raise InputError(f"{OUTPUT_ATTENTIONS}: {weightless[0]} forms no attention weights on a packed row (its "
+                         "indexed attention attends to selected keys only); run each document unpacked for them")
 
 
 def _refuse_text_positions_for_images(module: torch.nn.Module, arguments: dict[str, Any]) -> None:
@@ -223,6 +238,9 @@ def _enter(signature: _Signature, module: torch.nn.Module, args: tuple[Any, ...]
         return None
     _refuse_attention_weights(module, kwargs)
     _refuse_text_positions_for_images(module, arguments)
+    if arguments.get(SHIFT_LABELS) is not None or arguments.get(LABELS) is not None:
+        require_row_count(boundaries, arguments.get(NUM_ITEMS_IN_BATCH),
+                          labels_given=arguments.get(SHIFT_LABELS) is None)
     tokens = _tokens(arguments)   # input_ids, inputs_embeds or hidden_states, given by name or position
     if tokens is not None and boundaries.device != tokens.device:
         boundaries = boundaries.to(tokens.device)
@@ -345,6 +363,8 @@ def hand_off(module: torch.nn.Module, child: str) -> None:
     where the child is None: a layer without it)."""
     if getattr(module, child, None) is None:
         return
+    for receiver in _receivers(module, child):  # there from the first trace: a compiled graph guards on it
+        setattr(receiver, _TRACED_HAND_OFF, None)
     hook = _HandOff(child)
     module.register_forward_pre_hook(hook.before, with_kwargs=True)
     module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)

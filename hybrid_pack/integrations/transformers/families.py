@@ -84,12 +84,14 @@ class Family:
     """One model family: its display name, its ``config.model_type`` values (text and multimodal), its layers
     ``{module class name: Layer}``, and ``hand_offs``: ``{module class: child attribute}`` where the module's
     forward does not pass its keywords (``boundaries``) on to that child, so the patch hands them over
-    (:func:`.entry.hand_off`)."""
+    (:func:`.entry.hand_off`); ``window_from_config``: its attention layers apply ``config.sliding_window``, which
+    they do not hold themselves."""
 
     name: str
     model_types: tuple[str, ...]
     layers: Mapping[str, Layer]
     hand_offs: Mapping[str, str] = field(default_factory=dict)
+    window_from_config: bool = False
 
     @property
     def kinds(self) -> tuple[Kind, ...]:
@@ -117,7 +119,8 @@ FAMILIES: tuple[Family, ...] = (
            {"BailingHybridDeltaAttention": Layer(KIMI_DELTA_ATTENTION, partial(
                kda_forward, output_gate=bailing_hybrid_output_gate))}),
     Family("MiniMax", ("minimax",),
-           {"MiniMaxLightningAttention": Layer(DECAY_LINEAR_ATTENTION, lightning_attention_forward)}),
+           {"MiniMaxLightningAttention": Layer(DECAY_LINEAR_ATTENTION, lightning_attention_forward)},
+           window_from_config=True),
     Family("Bamba", ("bamba",), {"BambaMixer": _MAMBA2}),
     Family("Nemotron-H", ("nemotron_h",), {"NemotronHMamba2Mixer": _MAMBA2}),
     Family("Falcon-H1", ("falcon_h1",),
@@ -170,6 +173,12 @@ REFUSED: Mapping[str, str] = {
     "inkling2_loop": "Inkling2-Loop's short and dynamic short convolutions (Inkling2LoopShortConvolution, "
                      "Inkling2LoopDynamicShortConvolution) and relative position bias are layer kinds with no packed "
                      "op here",
+    "deepseek_v4": "DeepSeek-V4's compressed attention (DeepseekV4HCACompressor, DeepseekV4CSACompressor: keys "
+                   "pooled across tokens) and its indexer (DeepseekV4Indexer) are layer kinds with no packed op here",
+    "minimax_m3_vl_text": "MiniMax-M3's indexed sparse attention (MiniMaxM3VLIndexer) is a layer kind with no packed "
+                          "op here",
+    "minimax_m3_vl": "MiniMax-M3's indexed sparse attention (MiniMaxM3VLIndexer) is a layer kind with no packed op "
+                     "here",
     "zaya": "ZAYA's convolved attention (ZayaCCAProjection: convolutions over q/k inside attention) is a layer kind "
             "with no packed op here",
 }

@@ -28,7 +28,7 @@ from hybrid_pack.errors import InputError, UnsupportedModelError
 from hybrid_pack.ops.attention.indexed import document_pools, document_topk, indexed_attention, visible_tail
 from hybrid_pack.ops.invariant import refuse_in_batch_invariant_mode
 
-__all__ = ["dsa_indexer_forward", "indexed_mla_forward"]
+__all__ = ["dsa_indexer_forward", "indexed_mla_forward", "refuse_unselected_tail"]
 
 
 def _refuse_unserved(boundaries: Any, indexer: torch.nn.Module | None, layer: str) -> None:
@@ -37,7 +37,13 @@ def _refuse_unserved(boundaries: Any, indexer: torch.nn.Module | None, layer: st
         raise UnsupportedModelError(f"{layer}: GLM-5-Next's indexed attention needs the host-side document lengths "
                                     f"of a PackedBoundaries (got {type(boundaries).__name__}); it runs neither under "
                                     "torch.compile nor with a context-parallel group")
-    if indexer is not None and not indexer.index_kpool_always_select_tail and indexer.index_kpool > 1:
+    if indexer is not None:
+        refuse_unselected_tail(indexer)
+
+
+def refuse_unselected_tail(indexer: torch.nn.Module) -> None:
+    """A ``Glm5NextTextIndexer`` setting the per-document pools cannot serve, refused by ``patch_model``."""
+    if not indexer.index_kpool_always_select_tail and indexer.index_kpool > 1:
         raise UnsupportedModelError(
             f"config.index_kpool_always_select_tail: False leaves the first index_kpool - 1 = "
             f"{indexer.index_kpool - 1} tokens of every document with no key to attend to (the model's own "

@@ -79,6 +79,10 @@ def qsa_attention_forward(attention: torch.nn.Module, boundaries: PackedBoundari
         raise UnsupportedModelError(f"{layer}: Qwen4-Exp's QSA indexed attention selects blocks of whole documents "
                                     "and is not supported under context parallelism; train without a "
                                     "context-parallel group")
+    if not isinstance(boundaries, PackedBoundaries):
+        raise UnsupportedModelError(f"{layer}: Qwen4-Exp's QSA indexed attention needs the host-side document "
+                                    f"lengths of a PackedBoundaries (got {type(boundaries).__name__}); it does not "
+                                    "run under torch.compile on static packed batches: run it eagerly")
     if cache is not None:
         raise InputError(f"{layer}.cache: a KV / indexer cache cannot be used with a packed batch; generate from "
                          "unpacked inputs")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hybrid_pack.boundaries import PackedBoundaries, StaticBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import BackendUnavailableError, InputError
 from hybrid_pack.ops.compiler import assume_constant_result
 from hybrid_pack.ops.cp.eager import run_eagerly
 from hybrid_pack.ops.cp.relayout import on_contiguous
@@ -24,7 +24,7 @@ from hybrid_pack.ops.dispatch import verdicts
 from hybrid_pack.ops.dispatch.backend import Backend
 from hybrid_pack.ops.dispatch.discovery import recording_keys
 from hybrid_pack.ops.dispatch.registry import get_backend
-from hybrid_pack.ops.dispatch.selector import forced_context, resolve, resolve_invariant
+from hybrid_pack.ops.dispatch.selector import WarmUpError, forced_context, resolve, resolve_invariant
 from hybrid_pack.ops.invariant import SEQUENCE_MIXING, inside_batch_invariant, is_batch_invariant, per_document
 from hybrid_pack.ops.selfcheck.contract import Signature, dtype_name, specialised
 
@@ -40,8 +40,15 @@ def _traced_choice(op: str, device: str, dtype: str, requires_grad: bool, backen
     """The backend's name for a traced call: a graph constant (re-traced when ``generation`` changes)."""
     inputs = {name: torch.empty(value[1], dtype=getattr(torch, value[2]), device="meta")
               if isinstance(value, tuple) and value[:1] == ("tensor",) else value for name, value in described}
-    return resolve(op, device=device, dtype=getattr(torch, dtype), requires_grad=requires_grad, backend=backend,
-                   inputs=inputs, signature=signature, traced=True, static_only=static_only).name
+    try:
+        return resolve(op, device=device, dtype=getattr(torch, dtype), requires_grad=requires_grad, backend=backend,
+                       inputs=inputs, signature=signature, traced=True, static_only=static_only).name
+    except tuple(_RAISED.values()) as error:  # raised by the traced code itself (dynamo would wrap it here)
+        return f"{_REFUSED}{type(error).__name__}:{error}"
+
+
+_REFUSED = "\x00refused:"
+_RAISED = {kind.__name__: kind for kind in (WarmUpError, BackendUnavailableError, InputError)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +136,9 @@ class OpRoute:
         name = _traced_choice(self.op, str(first.device), dtype_name(first.dtype), requires_grad, backend,
                               self.signature(arguments), described, static and self.opaque is None,
                               verdicts.generation)
+        if name.startswith(_REFUSED):
+            kind, _, message = name.removeprefix(_REFUSED).partition(":")
+            raise _RAISED[kind](message)
         run = self._runner(get_backend(self.op, name), arguments, static, boundaries is not None, requires_grad)
         return run(arguments, boundaries)
 

@@ -124,14 +124,15 @@ def forcing(op: str, backend: str | None) -> tuple[str | None, str]:
 @contextlib.contextmanager
 def use_backends(**forced: str) -> Iterator[None]:
     """Force backends inside a ``with`` block, e.g. ``use_backends(conv="torch", ssd="mamba_ssm")``. A compiled
-    graph is traced again inside and after the block (the choice is one of its constants)."""
+    graph is traced again for each forcing it meets (the choice is one of its constants) and used again when the
+    forcing returns: after the block, the graph from before it."""
     token = _forced.set(MappingProxyType({**_forced.get(), **_check_forced(forced, "use_backends")}))
-    verdicts.changed()
+    verdicts.forced(frozenset(_forced.get().items()))
     try:
         yield
     finally:
         _forced.reset(token)
-        verdicts.changed()
+        verdicts.forced(frozenset(_forced.get().items()))
 
 
 forced_context = _forced.get  # the backends use_backends() forces here (one ContextVar read per call)

@@ -9,21 +9,39 @@ from hybrid_pack.ops.selfcheck import kept
 from hybrid_pack.ops.selfcheck.kept import VerdictKey, lookup
 from hybrid_pack.ops.selfcheck.result import CheckResult
 
-__all__ = ["SETTLED", "CHOICES", "generation", "changed", "settle", "forget"]
+__all__ = ["SETTLED", "CHOICES", "generation", "changed", "forced", "settle", "forget"]
 
 SETTLED: dict[VerdictKey, CheckResult] = {}
 """The verdicts calls read: the same on every rank once the warm-up settled them."""
 CHOICES: dict[tuple[Any, ...], Any] = {}
-"""The ops' routes' answers per call key (cleared whenever a verdict, a registration or a forcing changes)."""
+"""The ops' routes' answers per call key, the forcing part of it (cleared whenever a verdict or a registration
+changes)."""
 generation = 0
-"""Counts the changes to :data:`CHOICES`: a compiled graph reads it, so it is traced again after a change."""
+"""One number per state of the choices (the verdicts and registrations as changed so far, and the forcing in
+force): a compiled graph reads it, so it is traced again in a new state and used again when a state returns."""
+_changes = 0
+_forcing: frozenset[tuple[str, str]] = frozenset()
+_states: dict[tuple[int, frozenset[tuple[str, str]]], int] = {}
+
+
+def _restate() -> None:
+    global generation
+    generation = _states.setdefault((_changes, _forcing), len(_states))
 
 
 def changed() -> None:
-    """Forget every route's answers and re-trace compiled graphs (a verdict, a registration or a forcing changed)."""
-    global generation
+    """Forget every route's answers and re-trace compiled graphs (a verdict or a registration changed)."""
+    global _changes
     CHOICES.clear()
-    generation += 1
+    _changes += 1
+    _restate()
+
+
+def forced(forcing: frozenset[tuple[str, str]]) -> None:
+    """The backends ``use_backends`` forces from now on (route answers are keyed by the forcing already)."""
+    global _forcing
+    _forcing = forcing
+    _restate()
 
 
 def settle(key: VerdictKey, result: CheckResult) -> None:
