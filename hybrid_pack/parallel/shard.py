@@ -88,9 +88,7 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
     if given is not None and not isinstance(given, PackedBoundaries):
         raise InputError(f"{BOUNDARIES}: expected the whole row's PackedBoundaries; got {type(given).__name__}")
     row = PackedBoundaries.from_batch(batch) if given is None else given
-    if row.total_tokens != tokens.shape[1]:
-        raise BoundaryError(f"{BOUNDARIES}: describe {row.total_tokens} tokens; the row has {tokens.shape[1]}")
-    _refuse_vision(batch)
+    refusal = _refusal(batch, row, tokens)
     group = _process_group(group)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -98,8 +96,10 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
         raise InputError("group: given, but torch.distributed is not initialised; call init_process_group first")
     else:
         rank, world_size = 0, 1
-    if check_ranks and world_size > 1:
-        _refuse_different_rows(tokens_key, tokens, row, layout, group, rank)
+    if check_ranks and world_size > 1:  # every rank raises, or none: a rank left alone would wait in a collective
+        _refuse_different_rows(tokens_key, tokens, row, layout, group, rank, refusal)
+    elif refusal is not None:
+        raise refusal
     shard = ShardedBoundaries.from_row(row, group=group, rank=rank, world_size=world_size, layout=layout)
     total = row.total_tokens
 
@@ -137,25 +137,36 @@ def _process_group(group: Any) -> Any:
     return group
 
 
-def _refuse_vision(batch: Mapping[str, Any]) -> None:
+def _refusal(batch: Mapping[str, Any], row: PackedBoundaries, tokens: torch.Tensor) -> InputError | None:
+    """What this rank's row cannot be sharded for (boundaries of another row, images or videos), or None."""
+    if row.total_tokens != tokens.shape[1]:
+        return BoundaryError(f"{BOUNDARIES}: describe {row.total_tokens} tokens; the row has {tokens.shape[1]}")
     for key in (PIXEL_VALUES, PIXEL_VALUES_VIDEOS, IMAGE_GRID_THW, VIDEO_GRID_THW):
         value = batch.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or value.numel()):
-            raise InputError(f"{key}: a row with images or videos cannot be split across a context-parallel group "
-                             "(the vision tower and the image tokens' placement need the whole row); train such rows "
-                             "without context parallelism")
+            return InputError(f"{key}: a row with images or videos cannot be split across a context-parallel group "
+                              "(the vision tower and the image tokens' placement need the whole row); train such "
+                              "rows without context parallelism")
+    return None
 
 
 def _refuse_different_rows(tokens_key: str, tokens: torch.Tensor, row: PackedBoundaries, layout: str, group: Any,
-                           rank: int) -> None:
-    """InputError on every rank when the group's ranks were given different rows (one small collective)."""
+                           rank: int, refusal: InputError | None) -> None:
+    """Raise on every rank when one rank refused its row (``refusal``) or the group's ranks were given different
+    rows (one small collective)."""
     digest = None
     if tokens.device.type == "cpu":  # a digest of tokens on an accelerator would read them back: lengths only
         digest = hashlib.blake2b(tokens.detach().contiguous().view(torch.uint8).numpy().tobytes(),
                                  digest_size=8).hexdigest()
     lengths = hashlib.blake2b(repr(row.lengths).encode(), digest_size=8).hexdigest()
-    mine = (int(tokens.shape[1]), layout, lengths, digest)
+    mine = (int(tokens.shape[1]), layout, lengths, digest, None if refusal is None else str(refusal))
     rows = share_objects(mine, group)
+    if refusal is not None:
+        raise refusal
+    refused = next(((r, theirs[4]) for r, theirs in enumerate(rows) if theirs[4] is not None), None)
+    if refused is not None:
+        raise InputError(f"{tokens_key}: group rank {refused[0]} of the context-parallel group refused its row "
+                         f"({refused[1]}); every rank stops with it")
     differ = [r for r, theirs in enumerate(rows) if theirs[:3] != mine[:3]
               or (None not in (theirs[3], mine[3]) and theirs[3] != mine[3])]
     if differ:

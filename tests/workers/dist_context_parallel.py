@@ -213,6 +213,8 @@ def check_errors(rank: int, world: int) -> None:
     expect_input_error("input_ids", lambda: shard_batch(other_tokens))
     other_lengths = packed_batch(Layout("row", (2 + rank % 2, 3 * world - 2 - rank % 2)), 50, seed=0)
     expect_input_error("input_ids", lambda: shard_batch(other_lengths))
+    with_image = {**batch, "pixel_values": torch.ones(1, 3)} if rank == 0 else batch  # one rank refuses: all stop
+    expect_input_error("pixel_values" if rank == 0 else "input_ids", lambda: shard_batch(with_image))
     mesh = init_device_mesh("cpu", (world,))
     assert torch.equal(shard_batch(batch, mesh)["input_ids"], shard_batch(batch)["input_ids"])
     expect_input_error("group", lambda: shard_batch(batch, list(range(world))))
@@ -226,7 +228,7 @@ def check_errors(rank: int, world: int) -> None:
                                                                    if k != "num_items_in_batch"}))
     expect_input_error("labels", lambda: hf_model(**{k: v for k, v in whole.items() if k != "shift_labels"}))
     mrope = torch.arange(3 * world * 3).view(3, 1, -1)
-    expected = whole["boundaries"].take(mrope.transpose(1, 2)).transpose(1, 2)
+    expected = mrope[..., 3 * rank:3 * rank + 3]  # contiguous: rank r holds row tokens [3r, 3r + 3)
     got = shard_batch({**batch, "position_ids": mrope})["position_ids"]
     assert got.shape == (3, 1, 3) and torch.equal(got, expected), f"M-RoPE position_ids are not this rank's: {got}"
 

@@ -67,6 +67,8 @@ class _EagerDocumentMask:
     ``attention_mask`` it receives becomes the per-document causal mask, so the family's own eager attention runs
     on it and returns its weights. A class, so a patched model pickles; it holds nothing per call."""
 
+    window_from_config = False  # the class's: a hook pickled before the attribute existed reads it
+
     def __init__(self, window_from_config: bool = False) -> None:
         self.window_from_config = window_from_config
 

@@ -44,11 +44,12 @@ def _traced_choice(op: str, device: str, dtype: str, requires_grad: bool, backen
         return resolve(op, device=device, dtype=getattr(torch, dtype), requires_grad=requires_grad, backend=backend,
                        inputs=inputs, signature=signature, traced=True, static_only=static_only).name
     except tuple(_RAISED.values()) as error:  # raised by the traced code itself (dynamo would wrap it here)
-        return f"{_REFUSED}{type(error).__name__}:{error}"
+        kind = next(name for name, raised in _RAISED.items() if isinstance(error, raised))
+        return f"{_REFUSED}{kind}:{error}"
 
 
 _REFUSED = "\x00refused:"
-_RAISED = {kind.__name__: kind for kind in (WarmUpError, BackendUnavailableError, InputError)}
+_RAISED = {kind.__name__: kind for kind in (WarmUpError, BackendUnavailableError, InputError)}  # narrowest first
 
 
 @dataclass(frozen=True, eq=False)
