@@ -246,9 +246,9 @@ def _model_for_check(name: str, *, patch: bool, vocab_size: int | None) -> Any:
 
         model = tiny_model(name[3:])
     elif (Path(name) / "config.json").is_file():
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from hybrid_pack.training.trainer import hf_causal_lm
 
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name)).float().eval()
+        model = hf_causal_lm(name, weights=False).float().eval()
     else:
         from hybrid_pack.modeling import from_preset
 
@@ -324,6 +324,8 @@ def _run_check(args: argparse.Namespace) -> int:
 
     if (args.model is None) == (args.trainer is None):
         raise InputError("check: give a MODEL or --trainer FILE.py:FUNCTION (one of them)")
+    if args.json and not Path(args.json).absolute().parent.is_dir():
+        raise InputError(f"--json: the folder of {args.json!r} does not exist; create it or name another file")
     forced = _forced_backends(args.backend)
     with use_backends(**forced):
         if args.trainer:
@@ -337,7 +339,10 @@ def _run_check(args: argparse.Namespace) -> int:
     report.model = args.model or args.trainer
     print(report)
     if args.json:
-        Path(args.json).write_text(report.to_json(indent=1))
+        try:
+            Path(args.json).write_text(report.to_json(indent=1))
+        except OSError as err:
+            raise InputError(f"--json: cannot write {args.json!r} ({err.strerror}); the report above stands") from None
     return 0 if report.ok else 1
 
 
@@ -373,10 +378,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from hybrid_pack.bench.kernels import run_kernel_benchmarks
     from hybrid_pack.bench.report import kernel_table
+    from hybrid_pack.errors import InputError
     from hybrid_pack.ops.selfcheck.kept import environment
     from hybrid_pack.ops.selfcheck.result import device_name
     from hybrid_pack.training.benchmark import run_benchmark
 
+    if args.tokens is not None and args.tokens < 1:
+        raise InputError(f"--tokens: expected a positive int (tokens per row); got {args.tokens}")
     device = _device(args.device)
     results: dict[str, Any] = {"device": device_name(device), "environment": environment()}
     if not args.skip_kernels:

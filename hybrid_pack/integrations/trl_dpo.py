@@ -186,12 +186,12 @@ class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTr
                              f"packing_capacity (an int >= 2) is that row's fixed length under batch_invariant=True "
                              f"only; got {packing_capacity!r} with batch_invariant={batch_invariant!r}")
         super().__init__(*args, **kwargs)
+        if batch_invariant is True and getattr(self, "aux_loss_enabled", False):
+            raise InputError("batch_invariant: not with a router's auxiliary loss: it would count the padding of the "
+                             "static row; set DPOConfig(router_aux_loss_coef=0.0)")
         self.batch_invariant = check_batch_invariant("PackedDPOTrainer", batch_invariant, self.args,
                                                      capacity=packing_capacity, capacity_name="packing_capacity",
-                                                     model=self.model)
-        if self.batch_invariant and getattr(self, "aux_loss_enabled", False):
-            raise InputError("batch_invariant: not with a router's auxiliary loss (output_router_logits): it would "
-                             "count the padding of the static row; set output_router_logits=False")
+                                                     models=(self.model, self.ref_model))
         self.data_collator = _CollatorWithLengths(self.data_collator)
         self.packed_calls = []
         for model in (self.model, self.ref_model):

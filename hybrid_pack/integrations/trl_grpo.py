@@ -257,7 +257,8 @@ class PackedLogProbs:
         super().__init__(*args, **kwargs)
         self.batch_invariant = check_batch_invariant(type(self).__name__, batch_invariant, self.args,
                                                      capacity=self.packing_capacity, capacity_name="packing_capacity",
-                                                     model=self.model)
+                                                     models=(self.model, None if self.ref_model is None else
+                                                             self.accelerator.unwrap_model(self.ref_model)))
         patch_model(self.model)
         if self.ref_model is not None:
             patch_model(self.accelerator.unwrap_model(self.ref_model))

@@ -40,8 +40,11 @@ def output_logits(output: Any) -> torch.Tensor:
         return output
     if getattr(output, "logits", None) is not None:
         return output.logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    # a tuple (``return_dict=False``): its first per-token tensor (after the 0-d loss when labels were given)
+    found = [t for t in output if isinstance(t, torch.Tensor) and t.dim() >= 2] if isinstance(output, (tuple, list)) \
+        else []
+    if found:
+        return found[0]
     raise InputError(f"model: expected an output with .logits (or a tensor); got {type(output).__name__}")
 
 

@@ -25,14 +25,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_pack.distributed import agree_max
+from hybrid_pack.distributed import agree_max, share_objects
 from hybrid_pack.errors import InputError
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.training.stats import RunStats
 
-__all__ = ["CHECKPOINT", "KEEP", "POINTER", "STATE_FILE", "CheckpointSaver", "agreed_checkpoint", "commit_checkpoint",
-           "latest_checkpoint", "load_checkpoint", "read_state", "refusal_reason", "restore_run_state", "run_state",
-           "save_checkpoint", "save_state", "staging_folder", "start_checkpoint", "step_folder_name"]
+__all__ = ["CHECKPOINT", "KEEP", "POINTER", "RANK_STATES", "STATE_FILE", "CheckpointSaver", "agreed_checkpoint",
+           "commit_checkpoint", "latest_checkpoint", "load_checkpoint", "read_state", "refusal_reason",
+           "restore_run_state", "run_state", "save_checkpoint", "save_state", "staging_folder", "start_checkpoint",
+           "step_folder_name"]
 
 CHECKPOINT = "checkpoint"
 """The checkpoint root in the run directory, for one process and for FSDP."""
@@ -40,6 +41,8 @@ POINTER = "latest"
 """The file in the root naming the step folder to resume from."""
 STATE_FILE = "state.pt"
 """One process: the file of a step folder holding the model, optimizer and run state."""
+RANK_STATES = "rank_states"
+"""The key of :data:`STATE_FILE` holding every rank's run state, in rank order, when several ranks trained."""
 KEEP = 2
 """Complete step folders kept: the newest and the one before it."""
 
@@ -230,11 +233,15 @@ def restore_run_state(ckpt: dict[str, Any], scheduler: Any, sampler: PackedBatch
 
 # ------------------------------------------------------------------------------------------ one process
 def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    sampler: PackedBatchSampler, step: int, stats: RunStats) -> None:
-    """Write the checkpoint of optimizer step ``step`` to ``root/step-N/state.pt`` and point ``latest`` at it."""
+                    sampler: PackedBatchSampler, step: int, stats: RunStats,
+                    rank_states: list[dict[str, Any]] | None = None) -> None:
+    """Write the checkpoint of optimizer step ``step`` to ``root/step-N/state.pt`` and point ``latest`` at it.
+    ``rank_states``: every rank's :func:`run_state` (rank order) of a replicated multi-rank run, each rank's own
+    counts of what it trained."""
     staging = start_checkpoint(root, step)
     save_state(staging / STATE_FILE, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                      **run_state(scheduler, sampler, step, stats)})
+                                      **run_state(scheduler, sampler, step, stats),
+                                      **({RANK_STATES: rank_states} if rank_states is not None else {})})
     commit_checkpoint(root, step)
 
 
@@ -247,9 +254,13 @@ def load_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise InputError(f"resume: {state.parent} holds no {STATE_FILE} (a --fsdp run's checkpoint holds DCP's files "
                          "instead); resume with the settings of the run that wrote it")
     ckpt = read_state(state, map_location=device)
+    ranks = ckpt.get(RANK_STATES, [ckpt])   # a single process's, or an earlier version's (rank 0's only)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if RANK_STATES in ckpt and len(ranks) != world:
+        raise InputError(f"resume: {state.parent} was written by {len(ranks)} ranks; resume on {len(ranks)} ranks")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    return restore_run_state(ckpt, scheduler, sampler)
+    return restore_run_state(ranks[dist.get_rank() if RANK_STATES in ckpt else 0], scheduler, sampler)
 
 
 class CheckpointSaver:
@@ -262,6 +273,10 @@ class CheckpointSaver:
         self.every, self.last_step, self.rank = every, last_step, rank
 
     def __call__(self, step: int) -> None:
-        due = self.every and step % self.every == 0
-        if self.rank == 0 and (due or step == self.last_step):
-            save_checkpoint(self.path, self.model, self.optimizer, self.scheduler, self.sampler, step, self.stats)
+        if not ((self.every and step % self.every == 0) or step == self.last_step):
+            return
+        ranks = (share_objects(run_state(self.scheduler, self.sampler, step, self.stats))
+                 if dist.is_initialized() and dist.get_world_size() > 1 else None)   # every rank's own counts
+        if self.rank == 0:
+            save_checkpoint(self.path, self.model, self.optimizer, self.scheduler, self.sampler, step, self.stats,
+                            rank_states=ranks)

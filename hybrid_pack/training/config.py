@@ -113,8 +113,10 @@ class TrainConfig:
         for name in ("capacity", "epochs", "grad_accum", "context_parallel", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise InputError(f"{name}: expected a positive int; got {getattr(self, name)}")
-        if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
-            raise InputError(f"guard_every: expected an int >= 0 (0 turns the guard off); got {self.guard_every!r}")
+        for name, off in (("guard_every", "the guard"), ("checkpoint_every", "checkpoints before the last step")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InputError(f"{name}: expected an int >= 0 (0 turns {off} off); got {value!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise InputError(f"max_steps: expected a positive int or None; got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:
@@ -140,6 +142,8 @@ class TrainConfig:
             zigzag = ", twice for the zigzag layout" if self.row_multiple > self.context_parallel else ""
             raise InputError(f"capacity: with --compile every row is --capacity tokens, which must divide by "
                              f"{self.row_multiple} (the context-parallel size{zigzag}); got {self.capacity}")
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise InputError(f"out: {self.out!r} is a file; name a folder for the run (created if missing)")
         if self.data != "gsm8k" and not Path(self.data).is_file():
             raise InputError(f"data: expected 'gsm8k' or the path of a JSONL file of chats; {self.data!r} is neither")
         if self.tokenizer is not None and not has_tokenizer(self.tokenizer):

@@ -11,7 +11,7 @@ pieces, or left out (with the reason) in a :class:`DataReport`, which ``hybrid-p
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,15 @@ DROP_REASONS = {
 """Why an example is left out: the keys of ``dropped_examples_by_reason``, and their meaning."""
 
 
+def _utf8_lines(file: Iterable[str], name: str) -> Iterator[str]:
+    """The lines of a text file opened as UTF-8; InputError naming ``name`` when its bytes are not UTF-8."""
+    try:
+        yield from file
+    except UnicodeDecodeError as err:
+        raise InputError(f"data: {name} is not UTF-8 text ({err.reason}); expected a JSONL file saved as UTF-8"
+                         ) from None
+
+
 def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any]]:
     """``"gsm8k"`` (bundled train split) or a JSONL file, one example per line: a chat
     (``{"messages": [...]}``) or a tokenized example in the training tokenizer's ids (``{"input_ids": [...]}``,
@@ -47,7 +56,7 @@ def load_chats(data: str, max_examples: int | None = None) -> list[dict[str, Any
     else:
         chats = []
         with open(data, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+            for number, line in enumerate(_utf8_lines(f, data), 1):
                 if not line.strip():
                     continue
                 try:
@@ -193,11 +202,24 @@ def _check_in_vocabulary(examples: Sequence[dict[str, list[int]]], vocab_size: i
 
 def _tokenized_row(index: int, row: dict[str, Any], which: str, vocab: int) -> dict[str, list[int]]:
     ids, labels = row[INPUT_IDS], row.get(LABELS, row[INPUT_IDS])
-    if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-        raise InputError(f"data[{index}].{INPUT_IDS}: expected {which} (ints in [0, {vocab}))")
+    for key, values, ignored in ((INPUT_IDS, ids, ()), (LABELS, labels, (IGNORE_INDEX,))):
+        if not isinstance(values, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and (0 <= t < vocab or t in ignored) for t in values):
+            also = f", or {IGNORE_INDEX} for a token without a target" if ignored else ""
+            raise InputError(f"data[{index}].{key}: expected a list of {which} (ints in [0, {vocab}){also}); got "
+                             f"{_first_bad(values, vocab, ignored)}")
     if len(labels) != len(ids):
         raise InputError(f"data[{index}].{LABELS}: expected {len(ids)} labels (one per input id); got {len(labels)}")
     return {INPUT_IDS: list(ids), LABELS: list(labels)}
+
+
+def _first_bad(values: Any, vocab: int, ignored: tuple[int, ...]) -> str:
+    """What a person should look at: the type of ``values`` when not a list, else its first bad entry."""
+    if not isinstance(values, (list, tuple)):
+        return f"{type(values).__name__} {values!r:.40}"
+    position, value = next((i, t) for i, t in enumerate(values) if not isinstance(t, int) or isinstance(t, bool)
+                           or not (0 <= t < vocab or t in ignored))
+    return f"{value!r} at position {position}"
 
 
 def _fit(index: int, example: dict[str, list[int]], capacity: int, overflow: str,

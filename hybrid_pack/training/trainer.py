@@ -185,17 +185,28 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
     """A preset (fresh weights, seeded) or a patched Hugging Face model from a local directory."""
     torch.manual_seed(cfg.seed)
     if (Path(cfg.model) / "config.json").is_file():
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from hybrid_pack.integrations.transformers import patch_model
 
         has_weights = any(Path(cfg.model).glob("*.safetensors")) or any(Path(cfg.model).glob("*.bin"))
-        model = (AutoModelForCausalLM.from_pretrained(cfg.model) if has_weights
-                 else AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model)))
-        return patch_model(model.float())
+        return patch_model(hf_causal_lm(cfg.model, weights=has_weights).float())
     from hybrid_pack.modeling import from_preset
 
     return from_preset(cfg.model)
+
+
+def hf_causal_lm(folder: str, *, weights: bool) -> torch.nn.Module:
+    """The causal LM of a Hugging Face model folder, with its weights or fresh from its config; InputError naming
+    the folder when transformers cannot build one from it (an unknown ``model_type``, no causal-LM class)."""
+    import transformers
+
+    try:
+        if weights:
+            return transformers.AutoModelForCausalLM.from_pretrained(folder)
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    except (ValueError, KeyError, OSError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InputError(f"model: transformers {transformers.__version__} cannot build a causal LM from {folder!r}: "
+                         f"{reason}") from None
 
 
 # ------------------------------------------------------------------------------------------ steps of a run

@@ -144,6 +144,37 @@ def test_batch_invariant_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
         make(max_documents=0, packing_capacity=64)
 
 
+def test_the_mode_switches_the_reference_models_experts_too(tmp_path: Path) -> None:
+    """A MoE family: batch_invariant=True puts the policy's and the reference model's experts on ``batched_mm``
+    (GRPO loads its reference, DPO is handed one); DPO refuses a router auxiliary loss naming the option that turns
+    it off, before it changes either model."""
+    import copy
+
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.trl import PackedDPOTrainer
+    from tests.integrations.test_trl_dpo import _pairs
+
+    grpo = PackedGRPOTrainer(model=_saved_model("qwen3_next", tmp_path / "model"), reward_funcs=_reward,
+                             args=_config(tmp_path / "grpo"), processing_class=tiny_tokenizer(),
+                             train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), packing_capacity=128,
+                             batch_invariant=True)
+    reference = grpo.accelerator.unwrap_model(grpo.ref_model)
+    assert grpo.model.config._experts_implementation == reference.config._experts_implementation == "batched_mm"
+
+    def dpo(**config: Any) -> Any:
+        model = patch_model(tiny_model("qwen3_next")).train()
+        args = trl.DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=4, max_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", bf16=False, **config)
+        return PackedDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=_pairs(),
+                                processing_class=tiny_tokenizer(), packing_capacity=128, batch_invariant=True)
+
+    with pytest.raises(InputError, match=r"router_aux_loss_coef=0\.0"):
+        dpo()
+    trainer = dpo(router_aux_loss_coef=0.0)
+    assert trainer.model.config._experts_implementation == "batched_mm"
+    assert trainer.ref_model.config._experts_implementation == "batched_mm"
+
+
 def test_dpo_in_the_mode_runs_static_rows_and_matches_the_default_step(tmp_path: Path) -> None:
     """PackedDPOTrainer(batch_invariant=True): every forward of the policy and the reference a static row of
     ``packing_capacity`` tokens, and the step TRL logs equal to the default packed step's (fp32, 1e-5)."""

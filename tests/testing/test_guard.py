@@ -257,10 +257,12 @@ def test_patched_hugging_face_model_with_keys_or_restarting_positions():
     with PackingGuard(model, every=1) as guard, pure_torch_transformers(model):
         model(**batch)
         model(input_ids=batch[INPUT_IDS], **{POSITION_IDS: batch[POSITION_IDS]})   # TRL's padding-free batch
+        model(**{**batch, LABELS: batch[INPUT_IDS]}, return_dict=False)   # a tuple (loss, logits, ...)
         LeakAfter(model.model.layers[0].linear_attn, after=0)
         with pytest.raises(IsolationError):
             model(**batch)
-    assert [r.ok for r in guard.records] == [True, True, False]
+    assert [r.ok for r in guard.records] == [True, True, True, False]
+    assert guard.records[2].compared == "logits"
 
 
 def _fused_head(model: nn.Module) -> None:

@@ -121,6 +121,9 @@ def test_the_config_checks_the_choices_its_options_offer():
     (["check", "qwen3-next-tiny", "--lengths", "a,b"], "--lengths: expected comma-separated document lengths"),
     (["check", "qwen3-next-tiny", "--lengths", ""], "--lengths: expected comma-separated document lengths"),
     (["check", "--trainer", "no_such_module_here:make"], "--trainer: cannot import 'no_such_module_here'"),
+    (["check", "qwen3-next-tiny", "--json", "/no/such/folder/r.json"], "--json: the folder of '/no/such/folder/"),
+    (["train", "--checkpoint-every", "-1"], "checkpoint_every: expected an int >= 0"),
+    (["bench", "--tokens", "0"], "--tokens: expected a positive int"),
 ])
 def test_a_bad_value_is_one_line_naming_it_and_exits_2(argv, message, capsys):
     assert main(argv) == 2
@@ -133,3 +136,22 @@ def test_a_data_line_that_is_not_json_is_named(tmp_path, capsys):
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n')
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "run")]) == 2
     assert f"data: line 2 of {data} is not JSON" in capsys.readouterr().err
+
+
+def test_bad_files_and_folders_are_named(tmp_path, capsys):
+    """An --out that is a file, data that is not UTF-8, a model folder transformers cannot build: one line naming
+    the option, exit 2 (never a traceback, and never 1, a failed check's code)."""
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "latin1.jsonl").write_bytes(b'\xff\xfe{"input_ids": [1, 2]}\n')
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    cases = [(["train", "--out", str(tmp_path / "a_file")], "out: "),
+             (["train", "--data", str(tmp_path / "latin1.jsonl"), "--out", str(tmp_path / "r1")],
+              "data: " + str(tmp_path / "latin1.jsonl") + " is not UTF-8"),
+             (["train", "--model", str(tmp_path / "unknown"), "--out", str(tmp_path / "r2")],
+              "model: transformers"),
+             (["check", str(tmp_path / "unknown")], "model: transformers")]
+    for argv, message in cases:
+        assert main([*argv, "--no-progress"] if argv[0] == "train" else argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err

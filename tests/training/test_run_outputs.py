@@ -106,8 +106,12 @@ def test_overflow_policies_are_counted(data_file, overflow: str, counts: dict) -
 
 
 @pytest.mark.parametrize(("row", "message"), [
-    ({INPUT_IDS: [1, TOKENIZER_VOCAB]}, r"data\[0\]\.input_ids: expected Qwen3 token ids"),
+    ({INPUT_IDS: [1, TOKENIZER_VOCAB]}, r"data\[0\]\.input_ids: expected a list of Qwen3 token ids"),
     ({INPUT_IDS: [1, 2, 3], "labels": [2, 3]}, r"data\[0\]\.labels: expected 3 labels"),
+    ({INPUT_IDS: [1, 2, 3], "labels": [1, 2.5, 3]}, r"data\[0\]\.labels: .* got 2\.5 at position 1"),
+    ({INPUT_IDS: [1, 2, 3], "labels": [1, -1, 3]}, r"data\[0\]\.labels: .*or -100 .* got -1 at position 1"),
+    ({INPUT_IDS: [1, 2, 3], "labels": [1, 2, TOKENIZER_VOCAB]}, r"data\[0\]\.labels: .* at position 2"),
+    ({INPUT_IDS: [1, 2, 3], "labels": 5}, r"data\[0\]\.labels: .* got int 5"),
 ])
 def test_a_malformed_tokenized_row_is_named(row: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

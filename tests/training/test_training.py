@@ -60,8 +60,8 @@ def test_resume_after_a_stop_reaches_the_same_parameters(tmp_path, monkeypatch):
 
     save = checkpoint_module.save_checkpoint
 
-    def crash_after_step_two(path, model, optimizer, scheduler, sampler, step, stats):
-        save(path, model, optimizer, scheduler, sampler, step, stats)
+    def crash_after_step_two(path, model, optimizer, scheduler, sampler, step, stats, **options):
+        save(path, model, optimizer, scheduler, sampler, step, stats, **options)
         if step == 2:
             raise KeyboardInterrupt
 
@@ -131,7 +131,15 @@ def test_torchrun_two_processes_agree(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
-    assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == 2
+    full = json.loads((tmp_path / "metrics.json").read_text())
+    assert full["world_size"] == 2
+    # stopped on every rank after the checkpoint of step 2, then resumed: what the run reports it trained is the
+    # uninterrupted run's (each rank restores its own counts; rank 0's were restored on both, counted twice)
+    resumed = json.loads((tmp_path / "cut" / "metrics.json").read_text())
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
+    assert resumed["parameters_checksum"] == pytest.approx(full["parameters_checksum"], rel=1e-6)
+    for key in ("packs", "documents_trained", "real_tokens"):
+        assert resumed[key] == full[key], key
 
 
 def test_hugging_face_directory_trains_with_boundaries(tmp_path):

@@ -29,6 +29,7 @@ from hybrid_pack.integrations.transformers.entry import (
     install_entry,
     mark_weightless,
 )
+from hybrid_pack.integrations.transformers.experts import experts_modules, refuse_varying_experts
 from hybrid_pack.integrations.transformers.families import (
     FAMILIES,
     INDEXED_ATTENTION,
@@ -217,3 +218,5 @@ def _patch_family(model: torch.nn.Module, family: Family, modules: list[torch.nn
     skip_masks_of_packed_calls(model)
     for module in attention:
         mark_attention(module, window_from_config=family.window_from_config)
+    for module in experts_modules(modules):
+        module.register_forward_pre_hook(refuse_varying_experts)

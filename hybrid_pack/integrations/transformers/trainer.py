@@ -31,6 +31,7 @@ from hybrid_pack import backends
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, MissingExtraError, UnsupportedModelError
+from hybrid_pack.integrations.transformers.experts import BATCH_INVARIANT_EXPERTS
 from hybrid_pack.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.ops.invariant import batch_invariant as invariant_mode
 from hybrid_pack.packing.sampler import PackedBatchSampler
@@ -177,19 +178,14 @@ class SettlesBackendsAfterFirstStep:
         return out
 
 
-BATCH_INVARIANT_EXPERTS = "batched_mm"
-"""transformers' experts implementation that computes each token's expert GEMMs on its own rows: its ``grouped_mm``
-and eager paths round with the number of tokens an expert receives, which the packing changes (measured: 1-4 ULP
-on tiny MoE families)."""
-
-
 def check_batch_invariant(trainer: str, batch_invariant: Any, args: Any, *, capacity: int | None,
-                          capacity_name: str, model: torch.nn.Module) -> bool:
+                          capacity_name: str, models: Sequence[torch.nn.Module | None]) -> bool:
     """``batch_invariant`` as a bool, refusing what the mode cannot honour (:class:`InputError` naming the option):
     no fixed row length (``capacity`` None), ``torch_compile`` (compiled static rows), a context-parallel
     ``parallelism_config``, and gradient checkpointing off the CPU (the recomputation in the backward would run on
     the autograd engine's device thread, outside the mode, a context variable of the training thread). With the mode
-    on, an MoE ``model``'s experts switch to :data:`BATCH_INVARIANT_EXPERTS`."""
+    on, the experts of each MoE model of ``models`` (the policy and its reference; None: none) switch to
+    :data:`BATCH_INVARIANT_EXPERTS`."""
     if not isinstance(batch_invariant, bool):
         raise InputError(f"batch_invariant: expected True or False; got {batch_invariant!r}")
     if not batch_invariant:
@@ -207,9 +203,10 @@ def check_batch_invariant(trainer: str, batch_invariant: Any, args: Any, *, capa
         raise InputError(f"batch_invariant: not with gradient_checkpointing=True on {args.device.type}: the "
                          "recomputed forward runs in the autograd engine's device thread, outside the mode; set "
                          "gradient_checkpointing=False")
-    set_experts = getattr(model, "set_experts_implementation", None)
-    if set_experts is not None:
-        set_experts(BATCH_INVARIANT_EXPERTS)
+    for model in models:
+        set_experts = getattr(model, "set_experts_implementation", None)
+        if set_experts is not None:
+            set_experts(BATCH_INVARIANT_EXPERTS)
     return True
 
 
@@ -255,7 +252,7 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
                  collator: PackingCollator | None = None, batch_invariant: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_invariant = check_batch_invariant("PackedTrainer", batch_invariant, self.args, capacity=capacity,
-                                                     capacity_name="capacity", model=self.model)
+                                                     capacity_name="capacity", models=(self.model,))
         if self.args.fsdp and not self.is_fsdp_enabled:
             raise InputError(
                 f"fsdp: asked for, but accelerate did not shard the model (distributed type "
