@@ -94,7 +94,8 @@ def packed_loss(logits: torch.Tensor, labels: torch.Tensor, *, boundaries: Packe
         num_items_in_batch: for gradient accumulation, divide by this instead of the local count.
             It counts target tokens for ``"token"`` and documents with at least one target for
             ``"sequence"``, over all micro-batches of the optimizer step (and all ranks if the
-            gradients are summed rather than averaged).
+            gradients are summed rather than averaged). An int below 1 raises; a tensor is not read on
+            the host (SPEC §9b), so one below 1 divides by 1 (a step without targets counts 0: loss 0).
         shifted: ``labels`` are already shifted (:func:`shift_labels`; a context-parallel shard's
             ``shift_labels``, whose ``num_items_in_batch`` counts the whole row's targets, so that the
             shards' losses sum to the row's).

@@ -449,10 +449,13 @@ class PackedBoundaries:
         """The view of these boundaries named ``key``, built by ``build()`` on first use and kept on this object.
 
         Views hold whatever a kernel derives from the boundaries (index tensors on this object's device,
-        masks); each is built once per object, so the layers of one forward pass share it.
+        masks); each is built once per object, so the layers of one forward pass share it. Built outside
+        ``torch.inference_mode`` (a view first built there would be an inference tensor no later training call
+        could save for its backward).
         """
         if key not in self._views:
-            self._views[key] = build()
+            with torch.inference_mode(False):
+                self._views[key] = build()
         return self._views[key]
 
     def chunk_layout(self, chunk_size: int) -> ChunkLayout:

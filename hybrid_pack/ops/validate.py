@@ -77,6 +77,29 @@ def check_packed(name: str, x: torch.Tensor, boundaries: AnyBoundaries, ndim: in
         raise InputError(f"{name}: expected T = {here.total_tokens} tokens ({field}); got shape {list(x.shape)}")
 
 
+def on_device(device: torch.device, *tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given (None: absent) is on ``device``: the ops' common path (a loop, no generator)."""
+    for t in tensors:  # noqa: SIM110  (all() over a generator costs more on every op call)
+        if t is not None and t.device != device:
+            return False
+    return True
+
+
+def check_devices(reference: str, x: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Raise InputError naming the first tensor of ``others`` (None: absent) not on the device of ``x`` (the
+    argument named ``reference``)."""
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            raise InputError(f"{name}: on {t.device} but {reference} is on {x.device}; move it with "
+                             f"{name}.to({reference}.device)")
+
+
+def check_sizes(name: str, x: torch.Tensor) -> None:
+    """Raise InputError unless every size of ``x`` after ``[1, T`` (heads, head dims, channels) is at least 1."""
+    if 0 in x.shape[2:]:
+        raise InputError(f"{name}: expected sizes of at least 1 after [1, T]; got shape {list(x.shape)}")
+
+
 def check_shape(name: str, x: torch.Tensor | None, expected: tuple[int, ...]) -> None:
     """Raise InputError unless ``x`` (when given) has exactly the ``expected`` shape."""
     if x is not None and x.shape != expected:  # torch.Size is a tuple
@@ -90,7 +113,8 @@ def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``initial_state`` ``[N, HV, K, V]`` (:func:`document_slots`), all on the boundaries' device. The common path is
     one tuple comparison; the checks naming the field run only when it fails."""
     q_shape, v_shape = q.shape, v.shape
-    if len(q_shape) == 4 and len(v_shape) == 4 and q_shape[2] > 0 and v_shape[2] % q_shape[2] == 0:
+    if len(q_shape) == 4 and len(v_shape) == 4 and 0 not in q_shape[2:] and 0 not in v_shape[2:] \
+            and v_shape[2] % q_shape[2] == 0:
         _, _, h, k_dim = q_shape
         _, _, hv, v_dim = v_shape
         device = q.device
@@ -99,10 +123,11 @@ def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         gate = (1, t_len, hv, k_dim) if per_key_gate else (1, t_len, hv)
         if (q_shape, k.shape, v_shape, g.shape, beta.shape, shape_of(initial_state), k.device, v.device, g.device,
                 beta.device) == ((1, t_len, h, k_dim), q_shape, (1, t_len, hv, v_dim), gate, (1, t_len, hv), states,
-                                 device, device, device, device):
+                                 device, device, device, device) and on_device(device, initial_state):
             return
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_packed(name, t, boundaries, 4)
+        check_sizes(name, t)
     check_shape("k", k, q.shape)
     _, t_len, h, k_dim = q.shape
     hv, v_dim = v.shape[2], v.shape[3]
@@ -110,9 +135,7 @@ def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise InputError(f"v: expected a number of value heads that is a multiple of q's {h}; got {hv}")
     check_shape("g", g, (1, t_len, hv, k_dim) if per_key_gate else (1, t_len, hv))
     check_shape("beta", beta, (1, t_len, hv))
-    for name, t in (("g", g), ("beta", beta)):
-        if t.device != q.device:
-            raise InputError(f"{name}: on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
+    check_devices("q", q, g=g, beta=beta, initial_state=initial_state)
     check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
 
 

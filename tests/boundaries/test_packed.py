@@ -126,3 +126,20 @@ def test_direct_construction_checks_dtypes_and_shapes():
 def test_numpy_and_list_inputs():
     assert PackedBoundaries.from_cu_seqlens(np.array([0, 2, 5])).segment_lengths == (2, 3)
     assert PackedBoundaries.from_seq_idx([0, 0, 1]).segment_lengths == (2, 1)
+
+
+def test_a_view_first_built_in_inference_mode_serves_training_calls_after_it():
+    """The layouts the ops derive are kept on the boundaries: one built inside ``torch.inference_mode`` (an
+    evaluation) must not be an inference tensor that a later training call cannot save for its backward."""
+    from hybrid_pack.ops import gated_delta_rule, varlen_attention
+
+    boundaries = PackedBoundaries.from_lengths([5, 1, 9])
+    q = torch.randn(1, 15, 2, 4, dtype=torch.float64, requires_grad=True)
+    g, beta = -torch.rand(1, 15, 2, dtype=torch.float64), torch.rand(1, 15, 2, dtype=torch.float64)
+    with torch.inference_mode():
+        varlen_attention(q, q, q, boundaries)
+        gated_delta_rule(q, q, q, g, beta, boundaries)
+    attention = varlen_attention(q, q, q, boundaries)
+    delta, _ = gated_delta_rule(q, q, q, g, beta, boundaries)
+    (attention.sum() + delta.sum()).backward()
+    assert torch.isfinite(q.grad).all()

@@ -126,6 +126,17 @@ def test_top_k_never_selects_another_documents_keys() -> None:
         assert (chosen[query][len(picked):] == -1).all()
 
 
+def test_top_k_of_a_document_is_the_same_packed_as_alone_when_its_keys_score_minus_infinity() -> None:
+    """An indexer that masks a key with -inf: the query still ranks it above every other document's key (masked
+    -inf too), so it selects the same keys packed as alone (it picked another document's and dropped them)."""
+    own = torch.tensor([[float("-inf"), 1.0, 0.5]] * 3)
+    alone = document_topk(own[None], torch.arange(3), PackedBoundaries.from_lengths([3]), 2)[0]
+    scores = torch.zeros(1, 6, 6)
+    scores[0, 3:, 3:] = own
+    packed = document_topk(scores, torch.arange(6), PackedBoundaries.from_lengths([3, 3]), 2)[0, 3:]
+    assert torch.where(packed >= 0, packed - 3, packed).tolist() == alone.tolist() == [[0, -1], [1, 0], [1, 2]]
+
+
 def test_pools_and_tails_start_at_every_document() -> None:
     boundaries = kit.Layout("x", (5, 2, 7), num_pad_tokens=3).boundaries()
     assert document_pools(boundaries, 3).tolist() == [[0, 1, 2], [7, 8, 9], [10, 11, 12], [14, 15, 16]]
@@ -142,6 +153,8 @@ def test_selections_outside_the_document_are_not_attended() -> None:
     foreign = torch.cat([own, (position[None, :, None] + 7) % boundaries.total_tokens], dim=-1)  # + a far token
     first = torch.as_tensor(boundaries.starts)[boundaries.seq_idx[0].long()]
     own = own.masked_fill(own < first[None, :, None], -1)
+    past_the_row = torch.full_like(position, boundaries.total_tokens + 2)[None, :, None]
+    foreign = torch.cat([foreign, past_the_row, -past_the_row], dim=-1)                  # + indices outside the row
     want = indexed_attention(x["q"], x["k"], x["v"], own, boundaries)
     got = indexed_attention(x["q"], x["k"], x["v"], foreign, boundaries)
     kit.assert_close(got, want, "output", tol=TOL)

@@ -102,3 +102,39 @@ def test_delta_rules_reject_gates_on_another_device(op: str, fn: Any, name: str,
     boundaries = StaticBoundaries.from_boundaries(BOUNDARIES, BOUNDARIES.num_segments + 1) if static else BOUNDARIES
     with pytest.raises(ValueError, match=rf"^{name}: on meta but q is on cpu"):
         case.call(fn, boundaries, {**case.arguments, name: case.arguments[name].to("meta")})
+
+
+@pytest.mark.parametrize("op", ["attention", "conv", "gated_delta", "kda", "decay_linear_attention", "ssd",
+                                "selective_scan"])
+def test_every_tensor_on_another_device_is_named(op: str) -> None:
+    """Each tensor argument moved to another device (meta: no data) in turn raises an error naming it, where torch
+    raised deep inside a backend naming no argument."""
+    from hybrid_pack.ops.dispatch.route import route_of
+
+    case = kit.op_inputs(op, contract_of(op).default_signature(torch.float32, "cpu"), BOUNDARIES, requires_grad=False)
+    public = route_of(op).public
+    tensors = [name for name, value in case.arguments.items() if isinstance(value, torch.Tensor)]
+    assert len(tensors) >= 2
+    for name in tensors[1:]:
+        with pytest.raises(ValueError, match=rf"\b{name}\b.*meta|meta.*\b{name}\b"):
+            case.call(public, BOUNDARIES, {**case.arguments, name: case.arguments[name].to("meta")})
+
+
+@pytest.mark.parametrize(("op", "name", "size"), [
+    ("attention", "q", (1, T, 0, 8)), ("attention", "q", (1, T, 4, 0)), ("conv", "weight", (6, 0)),
+    ("conv", "x", (1, T, 0)), ("gated_delta", "v", None), ("ssd", "x", None), ("selective_scan", "x", None)])
+def test_a_zero_size_is_named(op: str, name: str, size: tuple[int, ...] | None) -> None:
+    """A head count, head dim, channel count or width of 0 raises an error naming the argument (it raised
+    ZeroDivisionError or a reshape error deep in a backend)."""
+    from hybrid_pack.ops.dispatch.route import route_of
+
+    case = kit.op_inputs(op, contract_of(op).default_signature(torch.float32, "cpu"), BOUNDARIES, requires_grad=False)
+    shape = size or (*case.arguments[name].shape[:-1], 0)
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        case.call(route_of(op).public, BOUNDARIES, {**case.arguments, name: torch.zeros(shape)})
+
+
+def test_ssd_chunk_size_must_be_an_int() -> None:
+    t = valid("ssd", SSD_PLAIN)
+    with pytest.raises(ValueError, match="^chunk_size: expected a positive int; got None"):
+        mamba2_ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], BOUNDARIES, chunk_size=None)

@@ -1,6 +1,7 @@
 """Worker of tests/training/test_training.py: one rank of a torchrun training run, into ``OUT`` (writes its parameter
 checksum), then into ``OUT/cut`` stopped on every rank after the checkpoint of step 2 and resumed from it."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -31,10 +32,8 @@ metrics = train(TrainConfig(out=out, **SETTINGS))
 with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump({"checksum": metrics["parameters_checksum"], "losses": metrics["losses"]}, f)
 original, checkpoint.CheckpointSaver.__call__ = checkpoint.CheckpointSaver.__call__, save_then_stop
-try:
+with contextlib.suppress(Stop):
     train(TrainConfig(out=os.path.join(out, "cut"), **SETTINGS))
-except Stop:
-    pass
 checkpoint.CheckpointSaver.__call__ = original
 train(TrainConfig(out=os.path.join(out, "cut"), resume=True, **SETTINGS))
 end_process_group()

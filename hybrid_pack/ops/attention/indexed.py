@@ -61,8 +61,8 @@ def document_topk(scores: torch.Tensor, candidate_last: torch.Tensor, boundaries
         k: candidates per query.
 
     Returns:
-        int64 ``[1, T, min(k, C)]``: candidate indices by descending score, ties to the earlier candidate; ``-1``
-        where the query sees fewer.
+        int64 ``[1, T, min(k, C)]``: the visible candidates' indices by descending score (a score of ``-inf``
+        included), ties to the earlier candidate; ``-1`` where the query sees fewer.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InputError(f"k: expected a positive int (candidates per query), got {k!r}")
@@ -74,9 +74,11 @@ def document_topk(scores: torch.Tensor, candidate_last: torch.Tensor, boundaries
     position, segment, _ = _positions(boundaries)
     last = candidate_last.long()
     visible = (segment[last][None, :] == segment[:, None]) & (last[None, :] <= position[:, None])  # [T, C]
-    masked = scores[0].masked_fill(~visible, float("-inf"))
-    # A stable sort breaks ties toward the earlier candidate, the same packed as alone (topk's order is unspecified).
-    chosen = masked.sort(dim=-1, descending=True, stable=True).indices[:, :min(k, scores.shape[2])]
+    # Stable sorts: by score (ties to the earlier candidate; topk's order is unspecified), then visible ones first,
+    # so a visible candidate scored -inf still ranks above every other document's: the same packed as alone.
+    by_score = scores[0].sort(dim=-1, descending=True, stable=True).indices
+    hidden = (~visible.gather(-1, by_score)).to(torch.uint8)
+    chosen = by_score.gather(-1, hidden.sort(dim=-1, stable=True).indices)[:, :min(k, scores.shape[2])]
     return chosen.masked_fill(~visible.gather(-1, chosen), -1)[None]
 
 
@@ -119,8 +121,8 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     position, segment, _ = _positions(boundaries)
     chosen = indices[0].long()
-    safe = chosen.clamp(min=0)
-    valid = (chosen >= 0) & (segment[safe] == segment[:, None]) & (chosen <= position[:, None])   # [T, S]
+    safe = chosen.clamp(0, num_tokens - 1)
+    valid = (chosen == safe) & (segment[safe] == segment[:, None]) & (chosen <= position[:, None])   # [T, S]
     keys, values = k[0][safe], v[0][safe]                                   # [T, S, Hkv, D], [T, S, Hkv, Dv]
     grouped = q[0].reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim)
     scores = torch.einsum("tkgd,tskd->tkgs", grouped, keys) * scale         # [T, Hkv, G, S]

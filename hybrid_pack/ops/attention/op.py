@@ -13,7 +13,15 @@ from hybrid_pack.ops.attention.check import OP, signature_of
 from hybrid_pack.ops.attention.cp import varlen_attention_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, default_scale, needs_grad, packed_tokens
+from hybrid_pack.ops.validate import (
+    check_devices,
+    check_packed,
+    check_shape,
+    check_sizes,
+    default_scale,
+    needs_grad,
+    packed_tokens,
+)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -39,13 +47,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ``[1, T, H, D]`` in the dtype of ``q``.
     """
     q_shape, k_shape = q.shape, k.shape
-    valid = len(q_shape) == 4 and len(k_shape) == 4 and k_shape[2] > 0 and q_shape[2] % k_shape[2] == 0
+    valid = len(q_shape) == 4 and len(k_shape) == 4 and 0 not in q_shape[2:] and 0 not in k_shape[2:] \
+        and q_shape[2] % k_shape[2] == 0
     if valid:  # one comparison; the checks naming the field run only when it fails
         _, _, h, head_dim = q_shape
         device = q.device
         t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
         kv_shape = (1, t_len, k_shape[2], head_dim)
-        valid = (q_shape, k_shape, v.shape, k.device) == ((1, t_len, h, head_dim), kv_shape, kv_shape, device)
+        valid = (q_shape, k_shape, v.shape, k.device, v.device) == (
+            (1, t_len, h, head_dim), kv_shape, kv_shape, device, device)
     if not valid:
         _check(q, k, v, boundaries)
     if window is not None:
@@ -60,7 +70,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: Packed
     """Raise :class:`InputError` naming the first of ``q``, ``k``, ``v`` at fault."""
     check_packed("q", q, boundaries, 4)
     check_packed("k", k, boundaries, 4)
+    check_sizes("q", q)
+    check_sizes("k", k)
     check_shape("v", v, k.shape)
+    check_devices("q", q, v=v)
     if q.shape[-1] != k.shape[-1]:
         raise InputError(f"k: expected head dim {q.shape[-1]} (that of q); got shape {list(k.shape)}")
     if q.shape[2] % k.shape[2]:

@@ -13,7 +13,16 @@ from hybrid_pack.ops.conv.check import ACTIVATIONS, OP, signature_of
 from hybrid_pack.ops.conv.cp import causal_conv1d_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens, shape_of
+from hybrid_pack.ops.validate import (
+    check_devices,
+    check_packed,
+    check_shape,
+    check_sizes,
+    needs_grad,
+    on_device,
+    packed_tokens,
+    shape_of,
+)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -35,11 +44,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ``[1, T, D]`` in the dtype of ``x``.
     """
     x_shape, w_shape = x.shape, weight.shape
-    valid = len(x_shape) == 3 and len(w_shape) == 2 and activation in ACTIVATIONS
+    valid = len(x_shape) == 3 and len(w_shape) == 2 and 0 not in w_shape and activation in ACTIVATIONS
     if valid:  # one comparison; the checks naming the field run only when it fails
         channels = x_shape[2]
         valid = (x_shape, w_shape[0], shape_of(bias)) == (
-            (1, packed_tokens(boundaries, x.device), channels), channels, None if bias is None else (channels,))
+            (1, packed_tokens(boundaries, x.device), channels), channels, None if bias is None else (channels,)
+        ) and on_device(x.device, weight, bias)
     if not valid:
         _check(x, weight, bias, boundaries, activation)
     activation = "silu" if activation == "swish" else activation
@@ -51,9 +61,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            boundaries: PackedBoundaries | StaticBoundaries, activation: str | None) -> None:
     """Raise :class:`InputError` naming the first input at fault."""
     check_packed("x", x, boundaries, 3)
-    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
-        raise InputError(f"weight: expected shape [D={x.shape[-1]}, W]; got {list(weight.shape)}")
+    check_sizes("x", x)
+    if weight.dim() != 2 or weight.shape[0] != x.shape[-1] or weight.shape[1] < 1:
+        raise InputError(f"weight: expected shape [D={x.shape[-1]}, W] with W >= 1; got {list(weight.shape)}")
     check_shape("bias", bias, (x.shape[-1],))
+    check_devices("x", x, weight=weight, bias=bias)
     if activation not in ACTIVATIONS:
         raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
 

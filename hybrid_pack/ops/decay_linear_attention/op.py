@@ -15,11 +15,14 @@ from hybrid_pack.ops.decay_linear_attention.cp import decay_linear_attention_cp
 from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.validate import (
+    check_devices,
     check_packed,
     check_shape,
+    check_sizes,
     default_scale,
     document_slots,
     needs_grad,
+    on_device,
     packed_tokens,
     shape_of,
     state_dtype,
@@ -56,7 +59,7 @@ def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         ``(o [1, T, H, V] in v's dtype, final_state or None)``.
     """
     q_shape, v_shape, g_shape = q.shape, v.shape, g.shape
-    valid = len(q_shape) == 4 and len(v_shape) == 4
+    valid = len(q_shape) == 4 and len(v_shape) == 4 and 0 not in q_shape[2:] and 0 not in v_shape[2:]
     if valid:  # one comparison; the checks naming the field run only when it fails
         _, _, h, k_dim = q_shape
         v_dim = v_shape[3]
@@ -65,7 +68,7 @@ def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         states = None if initial_state is None or t_len is None else (document_slots(boundaries), h, k_dim, v_dim)
         valid = (q_shape, k.shape, v_shape, g_shape, shape_of(initial_state), k.device, v.device) == (
             (1, t_len, h, k_dim), q_shape, (1, t_len, h, v_dim), (h,) if len(g_shape) == 1 else (1, t_len, h),
-            states, device, device)
+            states, device, device) and on_device(device, g, initial_state)
     if not valid:
         _check(q, k, v, g, initial_state, boundaries)
     if len(g_shape) == 1:  # one decay per head: the same at every token
@@ -81,11 +84,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, i
     """Raise :class:`InputError` naming the first input at fault."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_packed(name, t, boundaries, 4)
+        check_sizes(name, t)
     check_shape("k", k, q.shape)
     _, t_len, h, k_dim = q.shape
     if v.shape[2] != h:
         raise InputError(f"v: expected {h} heads (q's); got shape {list(v.shape)}")
     check_shape("g", g, (h,) if g.dim() == 1 else (1, t_len, h))
+    check_devices("q", q, g=g, initial_state=initial_state)
     check_shape("initial_state", initial_state, (document_slots(boundaries), h, k_dim, v.shape[3]))
 
 

@@ -64,7 +64,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
             ``targets[t]`` is the token predicted at ``t``; ``-100`` ignored.
         num_items: divide the summed loss by this: the target tokens of every micro-batch of the optimizer step
             (gradient accumulation), or of the whole row on a context-parallel shard, so that the shards' losses
-            sum to the row's. Default: the targets here that are not ``-100``.
+            sum to the row's. Default: the targets here that are not ``-100``. An int below 1 raises; a tensor
+            is not read on the host (SPEC §9b), so one below 1 divides by 1 (the count of a step without targets
+            is 0, its loss then 0, not NaN).
         chunk_size: tokens whose logits are held at once.
         backend: force a backend (``"torch"``, ``"fla"``; see :mod:`hybrid_pack.backends`). Inside
             ``torch.compile`` the pure-torch backend is traced (the compiler fuses its chunks).

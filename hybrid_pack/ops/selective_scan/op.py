@@ -21,7 +21,16 @@ from hybrid_pack.ops.dispatch.route import OpRoute
 from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.selective_scan.check import OP, signature_of
 from hybrid_pack.ops.selective_scan.cp import selective_scan_cp
-from hybrid_pack.ops.validate import check_packed, check_shape, needs_grad, packed_tokens, shape_of
+from hybrid_pack.ops.validate import (
+    check_devices,
+    check_packed,
+    check_shape,
+    check_sizes,
+    needs_grad,
+    on_device,
+    packed_tokens,
+    shape_of,
+)
 
 __all__ = ["selective_scan"]
 
@@ -50,14 +59,15 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         ``T_local`` tokens of the whole row's result.
     """
     x_shape, a_shape = x.shape, A.shape
-    valid = len(x_shape) == 3 and len(a_shape) == 2
+    valid = len(x_shape) == 3 and len(a_shape) == 2 and 0 not in x_shape[2:] and 0 not in a_shape
     if valid:  # one comparison; the checks naming the field run only when it fails
         channels = x_shape[2]
         t_len = packed_tokens(boundaries, x.device)  # None: not boundaries, or elsewhere
         b_shape, per_channel = (1, t_len, a_shape[1]), (channels,)
         valid = (x_shape, a_shape[0], dt.shape, B.shape, C.shape, shape_of(D), shape_of(z), shape_of(dt_bias)) == (
             (1, t_len, channels), channels, x_shape, b_shape, b_shape, None if D is None else per_channel,
-            None if z is None else x_shape, None if dt_bias is None else per_channel)
+            None if z is None else x_shape, None if dt_bias is None else per_channel) and on_device(
+            x.device, dt, A, B, C, D, z, dt_bias)
     if not valid:
         _check(x, dt, A, B, C, D, z, dt_bias, boundaries)
     arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
@@ -69,15 +79,17 @@ def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
            boundaries: PackedBoundaries | StaticBoundaries | ShardedBoundaries) -> None:
     """Raise :class:`InputError` naming the first input at fault."""
     check_packed("x", x, boundaries, 3)
+    check_sizes("x", x)
     channels = x.shape[-1]
-    if A.dim() != 2 or A.shape[0] != channels:
-        raise InputError(f"A: expected shape [D={channels}, N]; got {list(A.shape)}")
+    if A.dim() != 2 or A.shape[0] != channels or A.shape[1] < 1:
+        raise InputError(f"A: expected shape [D={channels}, N] with N >= 1; got {list(A.shape)}")
     check_shape("dt", dt, x.shape)
     check_shape("B", B, (*x.shape[:2], A.shape[1]))
     check_shape("C", C, B.shape)
     check_shape("D", D, (channels,))
     check_shape("z", z, x.shape)
     check_shape("dt_bias", dt_bias, (channels,))
+    check_devices("x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
 
 
 def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -14,10 +14,13 @@ from hybrid_pack.ops.library import PackedCustomOp
 from hybrid_pack.ops.ssd.check import OP, signature_of
 from hybrid_pack.ops.ssd.cp import mamba2_ssd_cp
 from hybrid_pack.ops.validate import (
+    check_devices,
     check_packed,
     check_shape,
+    check_sizes,
     document_slots,
     needs_grad,
+    on_device,
     packed_tokens,
     shape_of,
     state_dtype,
@@ -57,7 +60,8 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         ``y [1, T, H, P]`` in x's dtype, or ``(y, final_states)``.
     """
     x_shape, b_shape = x.shape, B.shape
-    valid = len(x_shape) == 4 and len(b_shape) == 4 and b_shape[2] > 0 and x_shape[2] % b_shape[2] == 0
+    valid = len(x_shape) == 4 and len(b_shape) == 4 and 0 not in x_shape[2:] and 0 not in b_shape[2:] \
+        and x_shape[2] % b_shape[2] == 0 and type(chunk_size) is int
     if valid:  # one comparison; the checks naming the field run only when it fails
         _, _, h, p = x_shape
         _, _, g, n = b_shape
@@ -69,7 +73,8 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                  shape_of(initial_states), B.device) == (
             (1, t_len, h, p), (1, t_len, h), heads, (1, t_len, g, n), b_shape, None if z is None else x_shape,
             None if dt_bias is None else heads, states, device) and (
-            d_shape is None or d_shape == heads or d_shape == (h, p)) and chunk_size >= 1
+            d_shape is None or d_shape == heads or d_shape == (h, p)) and chunk_size >= 1 and on_device(
+            device, dt, A, C, D, z, dt_bias, initial_states)
     if not valid:
         _check(x, dt, A, B, C, D, z, dt_bias, initial_states, boundaries, chunk_size)
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
@@ -85,10 +90,12 @@ def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
            ) -> None:
     """Raise :class:`InputError` naming the first input at fault."""
     check_packed("x", x, boundaries, 4)
+    check_sizes("x", x)
     _, t_len, h, p = x.shape
     check_shape("dt", dt, (1, t_len, h))
     check_shape("A", A, (h,))
     check_packed("B", B, boundaries, 4)
+    check_sizes("B", B)
     check_shape("C", C, B.shape)
     g, n = B.shape[2], B.shape[3]
     if h % g:
@@ -98,8 +105,9 @@ def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     check_shape("z", z, x.shape)
     check_shape("dt_bias", dt_bias, (h,))
     check_shape("initial_states", initial_states, (document_slots(boundaries), h, p, n))
-    if chunk_size < 1:
-        raise InputError(f"chunk_size: expected a positive int; got {chunk_size}")
+    check_devices("x", x, dt=dt, A=A, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states)
+    if type(chunk_size) is not int or chunk_size < 1:
+        raise InputError(f"chunk_size: expected a positive int; got {chunk_size!r}")
 
 
 def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
