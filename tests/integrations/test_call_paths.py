@@ -80,6 +80,29 @@ def test_decoder_layer_called_directly_keeps_documents_apart(family: str) -> Non
     assert grad[0, LENGTHS[0] + LENGTHS[1]:].abs().max() == 0
 
 
+def test_attention_decoder_layer_called_first_keeps_documents_apart() -> None:
+    """An attention implementation registered again after patching (a kernel hub's, or a fresh process loading a
+    pickled model): a packed call entering at an attention decoder layer still runs per-document attention (it ran
+    the new implementation over the whole row until a whole-model call wrapped it)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = patch_model(tiny_model("jamba"))
+    AttentionInterface.register("sdpa", lambda *args, **kwargs: sdpa_attention_forward(*args, **kwargs))
+    layer = model.base_model.layers[1]                                   # Jamba's attention decoder layer
+    assert type(layer).__name__ == "JambaAttentionDecoderLayer"
+    batch = _batch()
+    keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, LABELS)}
+    hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        packed = layer(hidden, **keys)
+        packed = packed[0] if isinstance(packed, tuple) else packed
+        for start, n in zip(_starts(LENGTHS), LENGTHS, strict=True):
+            alone = layer(hidden[:, start:start + n])
+            alone = alone[0] if isinstance(alone, tuple) else alone
+            torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixer_reached_past_every_entry_refuses_packed_keys(family: str) -> None:
     """Never a silent one-document run, never another library's "install a kernel" advice."""

@@ -77,6 +77,30 @@ def test_a_copied_patched_model_is_still_isolated(family: str, trip: str) -> Non
     assert patch_model(copied) is copied
 
 
+@pytest.mark.parametrize("family", ["jamba", "bamba", "lfm2"])   # conv weights read directly; Mamba-1's dt_proj
+@pytest.mark.parametrize("order", ["patch_then_offload", "offload_then_patch"])
+def test_accelerate_offloading_keeps_its_hooks_and_the_patch(family: str, order: str) -> None:
+    """accelerate's ``cpu_offload`` (what ``device_map`` offloading installs), before or after patching: unpacked
+    calls bitwise as unpatched, packed calls those of the patched model without offloading (each mixer fires the
+    hooks of the children whose weights its packed forward reads; the hooks wrap the patched forward)."""
+    from accelerate import cpu_offload
+
+    model = _high_init(family)
+    batch = PackedBoundaries.from_lengths(LENGTHS).batch_kwargs()
+    ids = torch.randint(3, VOCAB, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unpatched = model(input_ids=ids).logits
+        packed = patch_model(copy.deepcopy(model))(input_ids=ids, **batch).logits
+    if order == "patch_then_offload":
+        patch_model(model)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    if order == "offload_then_patch":
+        patch_model(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, unpatched, rtol=0, atol=0)
+        torch.testing.assert_close(model(input_ids=ids, **batch).logits, packed, rtol=1e-5, atol=1e-5)
+
+
 def _spawned(rank: int, model: torch.nn.Module, queue: torch.multiprocessing.SimpleQueue) -> None:
     report = check_isolation(model, lengths=LENGTHS, grads=False, atol=1e-5)
     queue.put((report.ok, str(report)))

@@ -104,19 +104,36 @@ class PackedMixerForward:
         if boundaries is None:
             boundaries = handed_off(module)
         if boundaries is not None:
-            if isinstance(self.packed_forward, WholeCall):
-                return self.packed_forward.forward(module, boundaries, *args, **kwargs)
-            return self.packed_forward(module, args[0] if args else kwargs["hidden_states"], boundaries)
+            hooked = [(child, child._hf_hook) for child in module.children()
+                      if getattr(child, "_hf_hook", None) is not None]
+            if not hooked:
+                return self._packed(boundaries, args, kwargs)
+            # accelerate offloading: the packed forward reads some children's weights without calling them (a
+            # conv's, dt_proj's), so their hooks are fired around it, as transformers' force_accelerate_hooks does
+            for child, hook in hooked:
+                hook.pre_forward(child)
+            try:
+                return self._packed(boundaries, args, kwargs)
+            finally:
+                for child, hook in reversed(hooked):
+                    hook.post_forward(child, None)
         stray = explicit_keys_in(kwargs)
         if stray:
             raise stray_keys_error(type(module).__name__, stray)
         return type(module).forward(module, *args, **kwargs)
 
+    def _packed(self, boundaries: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.packed_forward, WholeCall):
+            return self.packed_forward.forward(self.module, boundaries, *args, **kwargs)
+        return self.packed_forward(self.module, args[0] if args else kwargs["hidden_states"], boundaries)
+
 
 def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward | WholeCall) -> None:
-    """Route ``module``'s forward to ``packed_forward`` on packed calls (:class:`PackedMixerForward`), once."""
-    if not isinstance(module.__dict__.get("forward"), PackedMixerForward):
-        module.forward = PackedMixerForward(module, packed_forward)
+    """Route ``module``'s forward to ``packed_forward`` on packed calls (:class:`PackedMixerForward`), once; under
+    an accelerate hook (offloading, ``device_map``) as the forward the hook wraps (``_old_forward``)."""
+    slot = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+    if not isinstance(module.__dict__.get(slot), PackedMixerForward):
+        setattr(module, slot, PackedMixerForward(module, packed_forward))
 
 
 def _attention_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:

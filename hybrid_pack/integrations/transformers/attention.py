@@ -63,9 +63,12 @@ def document_causal_mask(boundaries: Any, dtype: torch.dtype, window: int | None
 
 
 class _EagerDocumentMask:
-    """Forward pre-hook of a patched attention module: on a packed call under the ``eager`` implementation, the
+    """Forward pre-hook of a patched attention module, on a packed call: under the ``eager`` implementation the
     ``attention_mask`` it receives becomes the per-document causal mask, so the family's own eager attention runs
-    on it and returns its weights. A class, so a patched model pickles; it holds nothing per call."""
+    on it and returns its weights; under any other, that implementation is made sure to be wrapped
+    (:func:`wrap_attention`: a model loaded in a fresh process, or an implementation registered again after
+    patching, and a call entering at a decoder layer). A class, so a patched model pickles; it holds nothing per
+    call."""
 
     window_from_config = False  # the class's: a hook pickled before the attribute existed reads it
 
@@ -74,7 +77,12 @@ class _EagerDocumentMask:
 
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         boundaries = kwargs.get(BOUNDARIES)
-        if boundaries is None or getattr(getattr(module, "config", None), "_attn_implementation", EAGER) != EAGER:
+        if boundaries is None:
+            return None
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", EAGER)
+        if implementation != EAGER:
+            if not torch.compiler.is_compiling():  # a trace runs what an eager call (or patch_model) wrapped
+                wrap_attention(implementation)
             return None
         hidden = args[0] if args else kwargs[_HIDDEN_STATES]
         holder = module.config if self.window_from_config and not hasattr(module, "sliding_window") else module
