@@ -262,9 +262,11 @@ class ShardedBoundaries:
     # ------------------------------------------------------------ the object itself
     def view(self, key: Hashable, build: Callable[[], View]) -> View:
         """What is derived from the split (exchange plans, state chains, fla's context), built by ``build()`` on
-        first use and kept on this object; views of the local segments alone live on ``local``."""
+        first use and kept on this object; views of the local segments alone live on ``local``. Built outside
+        ``torch.inference_mode``, as :meth:`PackedBoundaries.view`."""
         if key not in self._views:
-            self._views[key] = build()
+            with torch.inference_mode(False):
+                self._views[key] = build()
         return self._views[key]
 
     def to(self, device: torch.device | str) -> ShardedBoundaries:

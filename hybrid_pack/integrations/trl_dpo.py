@@ -191,7 +191,8 @@ class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTr
                              "static row; set DPOConfig(router_aux_loss_coef=0.0)")
         self.batch_invariant = check_batch_invariant("PackedDPOTrainer", batch_invariant, self.args,
                                                      capacity=packing_capacity, capacity_name="packing_capacity",
-                                                     models=(self.model, self.ref_model))
+                                                     models=(self.model, None if self.ref_model is None else
+                                                             self.accelerator.unwrap_model(self.ref_model)))
         self.data_collator = _CollatorWithLengths(self.data_collator)
         self.packed_calls = []
         for model in (self.model, self.ref_model):

@@ -143,3 +143,10 @@ def test_a_view_first_built_in_inference_mode_serves_training_calls_after_it():
     delta, _ = gated_delta_rule(q, q, q, g, beta, boundaries)
     (attention.sum() + delta.sum()).backward()
     assert torch.isfinite(q.grad).all()
+
+    from hybrid_pack.boundaries.sharded import ShardedBoundaries
+
+    shard = ShardedBoundaries.from_row(PackedBoundaries.from_lengths([5, 7, 4]), group=None, rank=1, world_size=2)
+    with torch.inference_mode():
+        positions = shard.document_positions               # a view of the split, first built in an evaluation
+    assert not positions.is_inference()

@@ -86,21 +86,26 @@ def test_attention_decoder_layer_called_first_keeps_documents_apart() -> None:
     the new implementation over the whole row until a whole-model call wrapped it)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     model = patch_model(tiny_model("jamba"))
+    registered = ALL_ATTENTION_FUNCTIONS["sdpa"]
     AttentionInterface.register("sdpa", lambda *args, **kwargs: sdpa_attention_forward(*args, **kwargs))
-    layer = model.base_model.layers[1]                                   # Jamba's attention decoder layer
-    assert type(layer).__name__ == "JambaAttentionDecoderLayer"
-    batch = _batch()
-    keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, LABELS)}
-    hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        packed = layer(hidden, **keys)
-        packed = packed[0] if isinstance(packed, tuple) else packed
-        for start, n in zip(_starts(LENGTHS), LENGTHS, strict=True):
-            alone = layer(hidden[:, start:start + n])
-            alone = alone[0] if isinstance(alone, tuple) else alone
-            torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
+    try:
+        layer = model.base_model.layers[1]                                   # Jamba's attention decoder layer
+        assert type(layer).__name__ == "JambaAttentionDecoderLayer"
+        batch = _batch()
+        keys = {key: value for key, value in batch.items() if key not in (INPUT_IDS, LABELS)}
+        hidden = torch.randn(1, sum(LENGTHS), model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            packed = layer(hidden, **keys)
+            packed = packed[0] if isinstance(packed, tuple) else packed
+            for start, n in zip(_starts(LENGTHS), LENGTHS, strict=True):
+                alone = layer(hidden[:, start:start + n])
+                alone = alone[0] if isinstance(alone, tuple) else alone
+                torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
+    finally:
+        AttentionInterface.register("sdpa", registered)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -161,16 +161,20 @@ def test_the_mode_switches_the_reference_models_experts_too(tmp_path: Path) -> N
     reference = grpo.accelerator.unwrap_model(grpo.ref_model)
     assert grpo.model.config._experts_implementation == reference.config._experts_implementation == "batched_mm"
 
-    def dpo(**config: Any) -> Any:
-        model = patch_model(tiny_model("qwen3_next")).train()
+    def dpo(model: Any, reference: Any, **config: Any) -> Any:
         args = trl.DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=4, max_steps=1,
                              report_to=[], use_cpu=True, save_strategy="no", bf16=False, **config)
-        return PackedDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=_pairs(),
+        return PackedDPOTrainer(model=model, ref_model=reference, args=args, train_dataset=_pairs(),
                                 processing_class=tiny_tokenizer(), packing_capacity=128, batch_invariant=True)
 
+    model = patch_model(tiny_model("qwen3_next")).train()
+    reference = copy.deepcopy(model)
+    before = model.config._experts_implementation
     with pytest.raises(InputError, match=r"router_aux_loss_coef=0\.0"):
-        dpo()
-    trainer = dpo(router_aux_loss_coef=0.0)
+        dpo(model, reference)
+    assert before != "batched_mm"
+    assert model.config._experts_implementation == reference.config._experts_implementation == before
+    trainer = dpo(model, reference, router_aux_loss_coef=0.0)
     assert trainer.model.config._experts_implementation == "batched_mm"
     assert trainer.ref_model.config._experts_implementation == "batched_mm"
 

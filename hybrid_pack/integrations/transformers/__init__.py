@@ -104,12 +104,14 @@ class PackedMixerForward:
         if boundaries is None:
             boundaries = handed_off(module)
         if boundaries is not None:
-            hooked = [(child, child._hf_hook) for child in module.children()
-                      if getattr(child, "_hf_hook", None) is not None]
+            hooked = [(child, child.__dict__["_hf_hook"]) for child in module._modules.values()
+                      if child is not None and child.__dict__.get("_hf_hook") is not None]   # (no __getattr__)
             if not hooked:
                 return self._packed(boundaries, args, kwargs)
             # accelerate offloading: the packed forward reads some children's weights without calling them (a
-            # conv's, dt_proj's), so their hooks are fired around it, as transformers' force_accelerate_hooks does
+            # conv's, dt_proj's), so the children's hooks are fired around it, as transformers'
+            # force_accelerate_hooks does for the children its kernel paths read (here every child: the children
+            # the packed forward calls load their weights again, once more per call under offloading)
             for child, hook in hooked:
                 hook.pre_forward(child)
             try:

@@ -74,11 +74,11 @@ def document_topk(scores: torch.Tensor, candidate_last: torch.Tensor, boundaries
     position, segment, _ = _positions(boundaries)
     last = candidate_last.long()
     visible = (segment[last][None, :] == segment[:, None]) & (last[None, :] <= position[:, None])  # [T, C]
-    # Stable sorts: by score (ties to the earlier candidate; topk's order is unspecified), then visible ones first,
-    # so a visible candidate scored -inf still ranks above every other document's: the same packed as alone.
-    by_score = scores[0].sort(dim=-1, descending=True, stable=True).indices
-    hidden = (~visible.gather(-1, by_score)).to(torch.uint8)
-    chosen = by_score.gather(-1, hidden.sort(dim=-1, stable=True).indices)[:, :min(k, scores.shape[2])]
+    # A visible candidate scored -inf ranks at the dtype's lowest finite value, above every invisible one (-inf):
+    # the same choice packed as alone. A stable sort breaks ties toward the earlier candidate (topk's order is
+    # unspecified).
+    keyed = torch.where(visible, scores[0].clamp(min=torch.finfo(scores.dtype).min), float("-inf"))
+    chosen = keyed.sort(dim=-1, descending=True, stable=True).indices[:, :min(k, scores.shape[2])]
     return chosen.masked_fill(~visible.gather(-1, chosen), -1)[None]
 
 
