@@ -191,6 +191,15 @@ def test_model_is_batch_invariant(name: str) -> None:
             assert report.max_logprob_diff == 0 and report.mismatch_kl == 0
 
 
+def test_the_report_names_the_autocast_it_ran_under() -> None:
+    """Under torch.autocast the report said "(float32)", the parameters' dtype, not what set the products'."""
+    model = MODELS["qwen3-next-tiny"]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = check_invariance(model, lengths=(3, 5), row_length=16, packings=1)
+    assert report.dtype == "float32 under autocast bfloat16"
+    assert check_invariance(model, lengths=(3, 5), row_length=16, packings=1).dtype == "float32"
+
+
 def test_mode_is_per_thread_and_refuses_what_it_does_not_cover() -> None:
     seen = []
     with hybrid_pack.batch_invariant():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
-from hybrid_pack.errors import InputError
+from hybrid_pack.errors import InputError, MissingExtraError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -55,11 +55,20 @@ def load_hf_tokenizer() -> PreTrainedTokenizerFast:
     Writes it to a temporary folder with :func:`save_tokenizer` and loads it with
     ``AutoTokenizer.from_pretrained``; needs the ``hf`` extra (``transformers``).
     """
-    from transformers import AutoTokenizer
+    AutoTokenizer = _auto_tokenizer("load_hf_tokenizer")
 
     with tempfile.TemporaryDirectory(prefix="hybrid_pack_qwen3_") as folder:
         save_tokenizer(folder)
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _auto_tokenizer(feature: str) -> type:
+    """transformers' ``AutoTokenizer``; MissingExtraError naming ``feature`` without the ``hf`` extra."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as err:
+        raise MissingExtraError(feature, "hf", err) from err
+    return AutoTokenizer
 
 
 def has_tokenizer(directory: str | PathLike[str]) -> bool:
@@ -75,8 +84,9 @@ def load_chat_tokenizer(directory: str | PathLike[str]) -> PreTrainedTokenizerBa
 
     Raises:
         InputError: no tokenizer there, or no chat template.
+        MissingExtraError: without the ``hf`` extra.
     """
-    from transformers import AutoTokenizer
+    AutoTokenizer = _auto_tokenizer(f"the tokenizer in {str(directory)!r}")
 
     if not has_tokenizer(directory):
         raise InputError(f"tokenizer: {str(directory)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "

@@ -69,7 +69,9 @@ class CausalLMOutput:
     without labels, with its gradient. Under FSDP2 the head's weight is sharded again after the forward pass, and
     reading ``logits`` then gathers it: a collective, so every rank of the mesh must read them.
     ``last_hidden_state`` (the final norm's output ``[B, T, hidden]``) and ``head`` are what they are built from;
-    ``computed_logits`` holds them once built.
+    ``computed_logits`` holds them once built. They are built as at the forward pass: under the autocast it ran
+    under (``autocast``: enabled and dtype), and, in eager mode, only while the head's weight is the one it used
+    (``head_weight`` at its version then): read after an optimizer step changed it in place, they raise.
 
     Indexable like a Hugging Face ``ModelOutput`` (``out["loss"]``, ``out[0]`` is the first field
     that is not None), so ``transformers.Trainer`` can read it.
@@ -79,18 +81,34 @@ class CausalLMOutput:
     computed_logits: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = field(default=None, repr=False)
     head: nn.Linear | None = field(default=None, repr=False)
+    autocast: tuple[bool, torch.dtype] | None = field(default=None, repr=False)
+    head_weight: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def deferred(cls, loss: torch.Tensor, last_hidden_state: torch.Tensor, head: nn.Linear) -> CausalLMOutput:
+        """The output of a forward pass with labels: ``loss`` now, the logits on first read, as they were now."""
+        device = last_hidden_state.device.type
+        version = None if torch.compiler.is_compiling() else (head.weight, head.weight._version)
+        return cls(loss=loss, last_hidden_state=last_hidden_state, head=head, head_weight=version,
+                   autocast=(torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
 
     @property
     def logits(self) -> torch.Tensor:
         """``[B, T, vocab_size]`` in the model's dtype; computed from ``last_hidden_state`` on first read."""
         if self.computed_logits is None:
-            if isinstance(self.head.weight, DTensor):  # FSDP2 sharded the head again after the forward: gather it
-                # the gathered weight's gradient is reduce-scattered (averaged) like FSDP2's own
-                weight = self.head.weight
-                weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
-                self.computed_logits = F.linear(self.last_hidden_state, weight)
-            else:
-                self.computed_logits = self.head(self.last_hidden_state)
+            weight = self.head.weight
+            if self.head_weight is not None and weight is self.head_weight[0] and \
+                    weight._version != self.head_weight[1]:
+                raise InputError("logits: the LM head's weight changed in place after the forward pass (an "
+                                 "optimizer step); read out.logits before the step, or run the model again")
+            enabled, dtype = self.autocast or (False, None)
+            with torch.autocast(self.last_hidden_state.device.type, dtype=dtype, enabled=enabled):
+                if isinstance(weight, DTensor):  # FSDP2 sharded the head again after the forward: gather it
+                    # the gathered weight's gradient is reduce-scattered (averaged) like FSDP2's own
+                    weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+                    self.computed_logits = F.linear(self.last_hidden_state, weight)
+                else:
+                    self.computed_logits = self.head(self.last_hidden_state)
         return self.computed_logits
 
     def to_tuple(self) -> tuple[torch.Tensor, ...]:
@@ -283,7 +301,7 @@ class HybridForCausalLM(nn.Module):
         if targets is not None and self._fused_loss:
             loss = linear_cross_entropy(hidden_states, self.lm_head.weight, targets.view(rows, tokens),
                                         num_items=num_items_in_batch)
-            return CausalLMOutput(loss=loss, last_hidden_state=hidden_states, head=self.lm_head)
+            return CausalLMOutput.deferred(loss, hidden_states, self.lm_head)
         logits = self.lm_head(hidden_states)   # not a view: FSDP2 hooks the output
         loss = None
         if targets is not None:

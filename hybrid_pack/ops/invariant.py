@@ -129,7 +129,7 @@ def canonical_buckets(boundaries: PackedBoundaries) -> BucketLayout:
     return boundaries.view(("batch_invariant", "canonical_buckets"), build)
 
 
-def per_document(op: str, fn: Callable[..., Any], positional: tuple[str, ...], arguments: Mapping[str, Any],
+def per_document(op: str, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], options: Mapping[str, Any],
                  boundaries: PackedBoundaries) -> Any:
     """Run ``fn`` (``op``'s pure-torch backend) on the row so that every segment's outputs are computed as the
     segment's alone: attention in :func:`canonical_buckets`, the other ops of :data:`SEQUENCE_MIXING` as they are
@@ -137,15 +137,14 @@ def per_document(op: str, fn: Callable[..., Any], positional: tuple[str, ...], a
 
     Args:
         op: one of :data:`SEQUENCE_MIXING`.
-        fn: ``fn(*positional tensors, boundaries, **keywords)``, as the route calls a backend.
-        positional: the names passed before the boundaries.
-        arguments: the call's arguments by name (per-token tensors ``[1, T, ...]``, states ``[N, ...]``).
+        fn: ``fn(*tensors, boundaries, **options)``, as the route calls a backend.
+        tensors: the tensors passed before the boundaries (per-token ``[1, T, ...]``).
+        options: the other arguments by name (states ``[N, ...]``, flags).
         boundaries: the row.
 
     Returns:
         What ``fn`` returns for the row.
     """
-    keywords = {name: value for name, value in arguments.items() if name not in positional}
     if op == "attention":
-        keywords["buckets"] = canonical_buckets(boundaries)
-    return fn(*(arguments[name] for name in positional), boundaries, **keywords)
+        options = {**options, "buckets": canonical_buckets(boundaries)}
+    return fn(*tensors, boundaries, **options)

@@ -3,7 +3,9 @@ states are float32 (float64 for float64 inputs)."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -113,7 +115,7 @@ def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``initial_state`` ``[N, HV, K, V]`` (:func:`document_slots`), all on the boundaries' device. The common path is
     one tuple comparison; the checks naming the field run only when it fails."""
     q_shape, v_shape = q.shape, v.shape
-    if len(q_shape) == 4 and len(v_shape) == 4 and 0 not in q_shape[2:] and 0 not in v_shape[2:] \
+    if len(q_shape) == 4 and len(v_shape) == 4 and q_shape[2] and q_shape[3] and v_shape[2] and v_shape[3] \
             and v_shape[2] % q_shape[2] == 0:
         _, _, h, k_dim = q_shape
         _, _, hv, v_dim = v_shape
@@ -139,20 +141,20 @@ def check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     check_shape("initial_state", initial_state, (document_slots(boundaries), hv, k_dim, v_dim))
 
 
-def delta_rule_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def delta_rule_key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """A delta rule's route key (gated delta, KDA): the sizes but ``T``, the flags and the dtypes."""
-    q, v, initial_state = arguments["q"], arguments["v"], arguments["initial_state"]
+    q, k, v, g, beta = tensors
+    initial_state = options["initial_state"]
     _, _, h, k_dim = q.shape
     _, _, hv, v_dim = v.shape
-    return (h, k_dim, hv, v_dim, arguments["use_qk_l2norm"], arguments["output_final_state"], q.dtype,
-            arguments["k"].dtype, v.dtype, arguments["g"].dtype, arguments["beta"].dtype,
-            None if initial_state is None else initial_state.dtype)
+    return (h, k_dim, hv, v_dim, options["use_qk_l2norm"], options["output_final_state"], q.dtype, k.dtype, v.dtype,
+            g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype)
 
 
 def default_scale(head_dim: int) -> float:
     """``head_dim ** -0.5`` as a Python float: a size ``torch.compile`` made symbolic (automatic dynamic shapes,
     after a model of other sizes) is specialised, so the backend's choice, which reads the scale, stays constant."""
-    return specialised((head_dim,))[0] ** -0.5
+    return head_dim ** -0.5 if type(head_dim) is int else specialised((head_dim,))[0] ** -0.5
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -162,6 +164,25 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
             if t is not None and t.requires_grad:
                 return True
     return False
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def without_autocast(fn: F) -> F:
+    """``fn`` run with autocast off on the device of its first tensor argument: a recurrence's pure-torch backend
+    computes in the dtypes it chooses (float32 states and products for half inputs), as the kernels do, not in
+    the dtype of the caller's ``torch.autocast``."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        if not torch.is_autocast_enabled(device_type):
+            return fn(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -180,7 +180,10 @@ def check_invariance(model: torch.nn.Module, sequences: Sequence[Sequence[int] |
         raise InputError(f"packings: expected at least 1; got {packings}")
     if dtype is not None and next(model.parameters()).dtype != dtype:
         model = copy.deepcopy(model).to(dtype)
-    run_dtype = next(model.parameters()).dtype
+    parameter = next(model.parameters())
+    run_dtype = str(parameter.dtype).removeprefix("torch.")
+    if torch.is_autocast_enabled(parameter.device.type):  # what set the precision of the products
+        run_dtype += f" under autocast {str(torch.get_autocast_dtype(parameter.device.type)).removeprefix('torch.')}"
     collator = PackingCollator(pack_length=row_length, max_documents=len(seqs))
     alone = _logprobs_of_rows(model, seqs, [[i] for i in range(len(seqs))], collator)
     results = []
@@ -195,4 +198,4 @@ def check_invariance(model: torch.nn.Module, sequences: Sequence[Sequence[int] |
         kl = (a.exp() * (a - b)).sum(-1).mean()
         results.append(PackingResult(rows, int((ulps > 0).sum()), int(ulps.max()), float((a - b).abs().max()),
                                      float(kl)))
-    return InvarianceReport(sum(sizes), row_length, str(run_dtype).removeprefix("torch."), results)
+    return InvarianceReport(sum(sizes), row_length, run_dtype, results)

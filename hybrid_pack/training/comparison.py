@@ -100,5 +100,5 @@ def speedup_verdict(speedup: float, target: float, timed_steps: int) -> str:
     verdict = "meets target" if speedup >= target else "BELOW TARGET"
     if timed_steps < MIN_TIMED_STEPS:
         verdict += (f", run too short to judge: {max(timed_steps, 0)} timed step(s) after the warm-up step, "
-                    f"need {MIN_TIMED_STEPS} (raise --max-steps / --max-examples)")
+                    f"need {MIN_TIMED_STEPS} (raise --max-examples, or train's --max-steps)")
     return verdict

@@ -4,7 +4,7 @@ A native preset becomes ``config.json`` + ``model.safetensors`` (load with
 ``HybridForCausalLM.from_pretrained``); a Hugging Face model is saved in its own format (load with
 ``AutoModelForCausalLM.from_pretrained``); the tokenizer it was trained with (its own, or the bundled
 Qwen3 one) is saved beside it (``AutoTokenizer.from_pretrained`` reads it). A model trained on a compact
-vocabulary (the tiny presets' 8,192 ids) is expanded back to the tokenizer's ids first
+vocabulary (the tiny presets' at most 8,192 ids) is expanded back to the tokenizer's ids first
 (:func:`~hybrid_pack.modeling.expand_vocabulary`), so it takes Qwen3 tokenizer ids and gives logits over them;
 its ``VOCABULARY_NOTE`` file says so.
 """

@@ -31,7 +31,7 @@ from hybrid_pack.backends import decisions
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.distributed import agree_max, end_process_group, gather_rows
-from hybrid_pack.errors import InputError, IsolationError
+from hybrid_pack.errors import InputError, IsolationError, MissingExtraError
 from hybrid_pack.ops.selfcheck.result import device_name
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.parallel.mesh import CP, DP, context_parallel_mesh
@@ -196,8 +196,12 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
 
 def hf_causal_lm(folder: str, *, weights: bool) -> torch.nn.Module:
     """The causal LM of a Hugging Face model folder, with its weights or fresh from its config; InputError naming
-    the folder when transformers cannot build one from it (an unknown ``model_type``, no causal-LM class)."""
-    import transformers
+    the folder when transformers cannot build one from it (an unknown ``model_type``, no causal-LM class);
+    MissingExtraError without the ``hf`` extra."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise MissingExtraError(f"the Hugging Face model folder {folder!r}", "hf", err) from err
 
     try:
         if weights:

@@ -20,6 +20,10 @@ ROOT = Path(__file__).parents[2]
     ("transformers", "from hybrid_pack.integrations.transformers.tiny_processor import tiny_vlm_processor", "hf"),
     ("datasets", "from hybrid_pack.packing.hf_datasets import tokenize_and_plan; tokenize_and_plan(None, None, 8)",
      "hf"),
+    ("transformers", "from hybrid_pack.training.trainer import hf_causal_lm; hf_causal_lm('folder', weights=False)",
+     "hf"),
+    ("transformers", "from hybrid_pack.data.tokenizer import load_chat_tokenizer; load_chat_tokenizer('folder')", "hf"),
+    ("transformers", "from hybrid_pack.data.tokenizer import load_hf_tokenizer; load_hf_tokenizer()", "hf"),
 ])
 def test_missing_dependency_names_the_extra(missing: str, statement: str, extra: str):
     program = f"""

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack import PackedBoundaries, PackingCollator
+from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import HybridForCausalLM, from_preset
 from tests import kit
 from tests.kit import MODEL_LAYOUTS as LAYOUTS
@@ -138,3 +139,25 @@ def test_bad_forward_arguments_raise() -> None:
         model(ids, cu_seqlens=boundaries.cu_seqlens)
     with pytest.raises(ValueError, match="^cu_seq_lens_k"):
         model(ids, cu_seq_lens_k=boundaries.cu_seqlens)
+
+
+
+def test_logits_read_later_are_those_of_the_forward_pass() -> None:
+    """With labels, the logits are built on first read: read after the autocast block they came back float32
+    (5e-3 off what the forward gave without labels), and read after an optimizer step they used the new head."""
+    model = tiny_model("qwen3-next-tiny")
+    features = [{"input_ids": d.tolist()} for d in random_docs((5, 9, 3))]
+    batch = PackingCollator()(features)
+    unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(**unlabelled).logits
+        out = model(**batch)
+    assert out.computed_logits is None and expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out.logits, expected, rtol=0, atol=0)
+
+    out = model(**batch)
+    out.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    with pytest.raises(InputError, match="logits: the LM head's weight changed in place"):
+        _ = out.logits
+    assert model(**batch).logits.shape == expected.shape  # a new forward pass reads them again

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_pack.boundaries import PackedBoundaries
+from hybrid_pack.errors import InputError
 from hybrid_pack.ops import varlen_attention
 from tests import kit
 from tests.kit import ATTENTION_LAYOUTS as LAYOUTS
@@ -130,3 +131,17 @@ def test_long_row_memory_stays_linear_in_tokens() -> None:
     assert total == 16384
     assert largest.numel <= 2 * total * heads * dim, f"an intermediate of {largest.numel} elements (T^2 = {total ** 2})"
     assert case.arguments["q"].grad.isfinite().all()
+
+
+def test_mixed_dtypes_are_named_or_cast_by_autocast() -> None:
+    """q in bfloat16 with float32 k, v raised SDPA's RuntimeError naming no argument; inside torch.autocast, which
+    casts all three, the call is served."""
+    boundaries = PackedBoundaries.from_lengths([3, 5])
+    q = torch.randn(1, 8, 2, 4, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
+    with pytest.raises(InputError, match="^k, v: expected q's dtype torch.bfloat16"):
+        varlen_attention(q, k, v, boundaries)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = varlen_attention(q, k, v, boundaries)
+    expected = varlen_attention(q, k.bfloat16(), v.bfloat16(), boundaries)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -185,10 +185,10 @@ def test_a_compiled_graph_follows_use_backends() -> None:
 def test_keys_tell_apart_what_signatures_tell_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each op's cheap key fixes its signature: calls with equal keys have equal signatures, over dtypes and optional
     inputs (as the routes receive them from the public ops)."""
-    seen: list[tuple[route.OpRoute, dict[str, Any]]] = []
+    seen: list[tuple[route.OpRoute, tuple[torch.Tensor, ...], dict[str, Any]]] = []
     call = route.OpRoute.__call__
-    monkeypatch.setattr(route.OpRoute, "__call__", lambda self, a, *rest, **kw: seen.append((self, a)) or call(
-        self, a, *rest, **kw))
+    monkeypatch.setattr(route.OpRoute, "__call__", lambda self, t, o, *rest, **kw: seen.append((self, t, o)) or call(
+        self, t, o, *rest, **kw))
     boundaries = ROW.boundaries()
     for op in registered_ops():
         contract = contract_of(op)
@@ -205,9 +205,10 @@ def test_keys_tell_apart_what_signatures_tell_apart(monkeypatch: pytest.MonkeyPa
                 else:
                     case.call(public, boundaries, arguments)
     signatures: dict[tuple[str, tuple[Any, ...]], Any] = {}
-    for ops_route, arguments in seen:
-        signature = ops_route.signature(arguments)
-        assert signatures.setdefault((ops_route.op, ops_route.key(arguments)), signature) == signature, ops_route.op
+    for ops_route, tensors, options in seen:
+        signature = ops_route.signature(ops_route.arguments(tensors, options))
+        assert signatures.setdefault((ops_route.op, ops_route.key(tensors, options)), signature) == signature, \
+            ops_route.op
     assert {op for op, _ in signatures} == set(registered_ops())
     assert len(signatures) > 2 * len(registered_ops())
 

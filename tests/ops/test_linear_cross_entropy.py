@@ -85,6 +85,21 @@ def test_half_precision_upcasts_each_chunk() -> None:
     assert_all_close(got[1:], want[1:], 1e-2, names=("gradient of hidden", "gradient of weight"))
 
 
+def test_a_float32_head_under_autocast_casts_as_nn_linear_does() -> None:
+    """A head kept in float32 meeting bfloat16 hidden states inside torch.autocast: refused ("as nn.Linear needs")
+    where F.linear takes the pair; now both are cast to the autocast dtype, as F.linear casts them."""
+    h, w, targets = inputs(40, dtype=torch.bfloat16)
+    w32 = w.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss_and_grads(linear_cross_entropy, h, w32, targets, chunk_size=9)
+        want = loss_and_grads(full_logits_loss, h, w32, targets)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    assert_close(got[0], want[0], "loss", tol=1e-6)
+    assert_all_close(got[1:], want[1:], 1e-2, names=("gradient of hidden", "gradient of weight"))
+    with pytest.raises(InputError, match="or call it inside torch.autocast"):
+        linear_cross_entropy(h, w32, targets)
+
+
 @pytest.mark.parametrize("num_items", [None, 7, torch.tensor(31)], ids=["count", "int", "tensor"])
 def test_num_items_divides_the_sum(num_items: int | torch.Tensor | None) -> None:
     h, w, targets = inputs(30, dtype=torch.float64)

@@ -485,3 +485,24 @@ def test_report_lists_the_keys_a_kernel_failed_beside_the_typical_one() -> None:
     table = backends.report(device="cpu")
     assert f"{PLANTED} refused for D=32" in table and "planted: no 32 channels" in table
     assert "CHOSEN" in next(line for line in table.splitlines() if line.startswith("conv") and PLANTED in line)
+
+
+@pytest.mark.parametrize(("op", "flag"), [("gated_delta", "output_final_state"), ("kda", "output_final_state"),
+                                          ("decay_linear_attention", "output_final_state"),
+                                          ("ssd", "return_final_states")])
+def test_a_kernel_returning_half_precision_states_is_refused(op: str, flag: str) -> None:
+    """Final states are float32 for half inputs (docs/ops.md): a kernel rounding them to the inputs' bfloat16
+    passed the check (their values are within bfloat16's tolerance) and served rounded states."""
+    reference = reference_of(op).fn
+
+    def rounded_states(*args: Any, **kwargs: Any) -> Any:
+        out, states = reference(*args, **kwargs)
+        return out, states.to(args[0].dtype)
+
+    backends.register(op, PLANTED, rounded_states, priority=100, devices=("cpu",), dtypes=(torch.bfloat16,))
+    boundaries = ROW.boundaries()
+    signature = contract_of(op).default_signature(torch.bfloat16, "cpu")
+    case = kit.op_inputs(op, signature, boundaries, requires_grad=False)
+    _, states = case.call(kit.PUBLIC_OPS[op], boundaries, {**case.arguments, flag: True})
+    assert states.dtype == torch.float32
+    assert not status_of(op).usable and "expected torch.float32" in status_of(op).reason, status_of(op).reason

@@ -28,6 +28,7 @@ from hybrid_pack.integrations.transformers.entry import (
     handed_off,
     install_entry,
     mark_weightless,
+    receives_hand_offs,
 )
 from hybrid_pack.integrations.transformers.experts import experts_modules, refuse_varying_experts
 from hybrid_pack.integrations.transformers.families import (
@@ -136,6 +137,7 @@ def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward | WholeC
     slot = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
     if not isinstance(module.__dict__.get(slot), PackedMixerForward):
         setattr(module, slot, PackedMixerForward(module, packed_forward))
+    receives_hand_offs(module)
 
 
 def _attention_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:

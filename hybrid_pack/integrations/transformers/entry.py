@@ -13,8 +13,10 @@ From there the model's own ``**kwargs`` plumbing carries ``boundaries`` to every
 function and sequence mixer, as it carries transformers' own flash-attention keywords. Nothing is held
 outside the call: a gradient-checkpointing recompute gets the same keywords back, and ``torch.compile``
 traces the hook like any other code (inside a trace the boundaries are
-:class:`~hybrid_pack.boundaries.static.StaticBoundaries`, read from shapes only). The module's ``forward``
-itself is never replaced, so its signature is the unpatched one.
+:class:`~hybrid_pack.boundaries.static.StaticBoundaries`, read from shapes only). An entry's ``forward`` is its
+class's, except where the model's forward drops the keywords (:func:`hand_off`): there a direct
+``module.forward(**batch)``, which skips the hooks, goes through ``module(**batch)``; signatures stay the unpatched
+ones.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from hybrid_pack.schema import (
 )
 
 __all__ = ["install_entry", "is_entry", "entry_modules", "packed_call_boundaries", "hand_off", "handed_off",
-           "mark_weightless"]
+           "receives_hand_offs", "mark_weightless"]
 
 
 OUTPUT_ATTENTIONS = "output_attentions"
@@ -131,7 +133,9 @@ def packed_call_boundaries(arguments: dict[str, Any], *, by_positions: bool = Tr
     for key in CACHE_KEYS:
         if arguments.get(key) is not None:
             raise InputError(f"{key}: a KV / state cache cannot be used with a packed batch; packed rows are for "
-                             "training and scoring; generate from unpacked inputs")
+                             "training and scoring; generate from unpacked inputs (a backbone whose .forward() "
+                             "was called directly built one from config.use_cache, skipping the hook that turns "
+                             "it off: call the module itself, or pass use_cache=False)")
     if arguments.get(USE_CACHE):
         raise InputError(f"{USE_CACHE}: must be False (or unset) with a packed batch; a cache would mix documents")
     if given is None:
@@ -326,10 +330,25 @@ class _HandOff:
             _hand(child, None)
 
 
+def receives_hand_offs(module: torch.nn.Module) -> None:
+    """Mark ``module`` as one that reads the boundaries a parent hands it (an entry, a patched mixer); the attribute
+    is there from the patch on: a compiled graph guards on it."""
+    if _TRACED_HAND_OFF not in module.__dict__:
+        setattr(module, _TRACED_HAND_OFF, None)
+
+
 def _receivers(module: torch.nn.Module, name: str) -> list[torch.nn.Module]:
-    """``module.<name>``, or each module of it when it is a ``ModuleList`` (a backbone's layers)."""
+    """The modules reading what ``module`` hands to ``module.<name>`` (each module of it when it is a ``ModuleList``,
+    a backbone's layers): the child itself, or, in a wrapper around it (PEFT's ``modules_to_save`` copies), each
+    outermost module below it that reads hand-offs."""
     child = getattr(module, name)
-    return list(child) if isinstance(child, torch.nn.ModuleList) else [child]
+    return [reader for m in (child if isinstance(child, torch.nn.ModuleList) else [child]) for reader in _readers(m)]
+
+
+def _readers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    if _TRACED_HAND_OFF in module.__dict__:
+        return [module]
+    return [reader for child in module.children() for reader in _readers(child)]
 
 
 class _RecomputeHandingOff:
@@ -360,14 +379,47 @@ class _HandingOff:
 
 def hand_off(module: torch.nn.Module, child: str) -> None:
     """Hand ``module``'s ``boundaries`` keyword to ``module.<child>`` during every call of ``module`` (nothing
-    where the child is None: a layer without it)."""
+    where the child is None: a layer without it); a call of ``module.forward`` itself with packed keys goes
+    through ``module(...)`` (:class:`_ThroughHooks`)."""
     if getattr(module, child, None) is None:
         return
-    for receiver in _receivers(module, child):  # there from the first trace: a compiled graph guards on it
-        setattr(receiver, _TRACED_HAND_OFF, None)
     hook = _HandOff(child)
     module.register_forward_pre_hook(hook.before, with_kwargs=True)
     module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
+    slot = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+    if not isinstance(module.__dict__.get(slot), _ThroughHooks):
+        setattr(module, slot, _ThroughHooks(module))
+
+
+_BYPASSING: contextvars.ContextVar[int | None] = contextvars.ContextVar("hybrid_pack_bypassing", default=None)
+
+
+class _ThroughHooks:
+    """The forward of a module that hands its boundaries off: its class's, except for a direct
+    ``module.forward(**batch)`` with the collator's packed keys (PEFT's tuners call the model that way). That call
+    skips the module's hooks, the entry's and the hand-off's, and the forward drops the keys, so the row would run
+    as one document: it goes through ``module(**batch)`` instead. Picklable."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if _BYPASSING.get() != id(module) and explicit_keys_in(kwargs):  # the hooks would have taken the keys
+            token = _BYPASSING.set(id(module))
+            try:
+                return module(*args, **kwargs)
+            finally:
+                _BYPASSING.reset(token)
+        return type(module).forward(module, *args, **kwargs)
 
 
 def install_entry(module: torch.nn.Module) -> None:
@@ -375,6 +427,7 @@ def install_entry(module: torch.nn.Module) -> None:
     if is_entry(module):
         return
     hook = _EntryHook(_Signature.of(module))
+    receives_hand_offs(module)
     module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     if hook.signature.by_positions:
         module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)

@@ -47,21 +47,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ``[1, T, H, D]`` in the dtype of ``q``.
     """
     q_shape, k_shape = q.shape, k.shape
-    valid = len(q_shape) == 4 and len(k_shape) == 4 and 0 not in q_shape[2:] and 0 not in k_shape[2:] \
+    valid = len(q_shape) == 4 and len(k_shape) == 4 and q_shape[2] and q_shape[3] and k_shape[2] and k_shape[3] \
         and q_shape[2] % k_shape[2] == 0
     if valid:  # one comparison; the checks naming the field run only when it fails
         _, _, h, head_dim = q_shape
         device = q.device
         t_len = packed_tokens(boundaries, device)  # None: not boundaries, or elsewhere
         kv_shape = (1, t_len, k_shape[2], head_dim)
-        valid = (q_shape, k_shape, v.shape, k.device, v.device) == (
-            (1, t_len, h, head_dim), kv_shape, kv_shape, device, device)
+        dtype = q.dtype
+        valid = (q_shape, k_shape, v.shape, k.device, v.device, k.dtype, v.dtype) == (
+            (1, t_len, h, head_dim), kv_shape, kv_shape, device, device, dtype, dtype)
     if not valid:
         _check(q, k, v, boundaries)
     if window is not None:
         _check_window(window, causal)
     scale = default_scale(q_shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return ROUTE({"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale, "window": window}, boundaries,
+    return ROUTE((q, k, v), {"causal": causal, "softmax_scale": scale, "window": window}, boundaries,
                  backend=backend, requires_grad=needs_grad(q, k, v))
 
 
@@ -78,6 +79,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: Packed
         raise InputError(f"k: expected head dim {q.shape[-1]} (that of q); got shape {list(k.shape)}")
     if q.shape[2] % k.shape[2]:
         raise InputError(f"k: expected a number of heads dividing q's {q.shape[2]}; got {k.shape[2]}")
+    if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
+        raise InputError(f"k, v: expected q's dtype {q.dtype} (cast them, or call inside torch.autocast, which casts "
+                         f"all three); got k {k.dtype} and v {v.dtype}")
 
 
 def _check_window(window: int | None, causal: bool) -> None:
@@ -91,12 +95,11 @@ def _check_window(window: int | None, causal: bool) -> None:
         raise InputError(f"window: {window} is sliding-window causal attention; pass causal=True or window=None")
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def _key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """The route's key: the sizes but ``T``, the flags and the dtypes."""
-    q, k = arguments["q"], arguments["k"]
+    q, k, v = tensors
     _, _, h, head_dim = q.shape
-    return (h, head_dim, k.shape[2], arguments["causal"], arguments["window"], q.dtype, k.dtype,
-            arguments["v"].dtype)
+    return (h, head_dim, k.shape[2], options["causal"], options["window"], q.dtype, k.dtype, v.dtype)
 
 
 ROUTE = OpRoute(

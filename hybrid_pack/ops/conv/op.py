@@ -53,7 +53,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not valid:
         _check(x, weight, bias, boundaries, activation)
     activation = "silu" if activation == "swish" else activation
-    return ROUTE({"x": x, "weight": weight, "bias": bias, "activation": activation}, boundaries, backend=backend,
+    return ROUTE((x, weight, bias), {"activation": activation}, boundaries, backend=backend,
                  requires_grad=needs_grad(x, weight, bias))
 
 
@@ -70,10 +70,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise InputError(f"activation: expected one of {ACTIVATIONS}; got {activation!r}")
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def _key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """The route's key: the sizes but ``T``, the activation and the dtypes (an absent bias's None)."""
-    x, weight, bias = arguments["x"], arguments["weight"], arguments["bias"]
-    return (x.shape[2], weight.shape[1], arguments["activation"], x.dtype, weight.dtype,
+    x, weight, bias = tensors
+    return (x.shape[2], weight.shape[1], options["activation"], x.dtype, weight.dtype,
             None if bias is None else bias.dtype)
 
 

@@ -59,7 +59,7 @@ def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         ``(o [1, T, H, V] in v's dtype, final_state or None)``.
     """
     q_shape, v_shape, g_shape = q.shape, v.shape, g.shape
-    valid = len(q_shape) == 4 and len(v_shape) == 4 and 0 not in q_shape[2:] and 0 not in v_shape[2:]
+    valid = len(q_shape) == 4 and len(v_shape) == 4 and q_shape[2] and q_shape[3] and v_shape[2] and v_shape[3]
     if valid:  # one comparison; the checks naming the field run only when it fails
         _, _, h, k_dim = q_shape
         v_dim = v_shape[3]
@@ -74,9 +74,9 @@ def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if len(g_shape) == 1:  # one decay per head: the same at every token
         g = g.expand(1, q_shape[1], q_shape[2])
     scale = default_scale(q_shape[3]) if scale is None else float(scale)
-    arguments = {"q": q, "k": k, "v": v, "g": g, "scale": scale, "initial_state": initial_state,
-                 "output_final_state": output_final_state}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, initial_state))
+    return ROUTE((q, k, v, g), {"scale": scale, "initial_state": initial_state,
+                                "output_final_state": output_final_state},
+                 boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, initial_state))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
@@ -102,16 +102,18 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, i
 def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state: bool,
           **options: object) -> list[torch.Tensor]:
     q, k, v = tensors[:3]
-    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=state_dtype(q.dtype))]
+    dtype_of_states = state_dtype(torch.promote_types(q.dtype, v.dtype))  # as the torch backend's
+    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=dtype_of_states)]
     return [v.new_empty(v.shape), *(state if output_final_state else [])]
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def _key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """The route's key: the sizes but ``T``, the flag and the dtypes."""
-    q, v, initial_state = arguments["q"], arguments["v"], arguments["initial_state"]
+    q, k, v, g = tensors
+    initial_state = options["initial_state"]
     _, _, h, k_dim = q.shape
-    return (h, k_dim, v.shape[3], arguments["output_final_state"], q.dtype, arguments["k"].dtype, v.dtype,
-            arguments["g"].dtype, None if initial_state is None else initial_state.dtype)
+    return (h, k_dim, v.shape[3], options["output_final_state"], q.dtype, k.dtype, v.dtype, g.dtype,
+            None if initial_state is None else initial_state.dtype)
 
 
 ROUTE = OpRoute(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import ChunkLayout, PackedBoundaries
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["CHUNK_SIZE", "decay_linear_attention"]
 
@@ -42,6 +43,7 @@ def _start_states(initial_state: torch.Tensor | None, boundaries: PackedBoundari
     return states[layout.order]
 
 
+@without_autocast
 def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            boundaries: PackedBoundaries, *, scale: float, initial_state: torch.Tensor | None,
                            output_final_state: bool, chunk_size: int = CHUNK_SIZE

@@ -25,6 +25,7 @@ import torch
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.decay_linear_attention.torch_backend import CHUNK_SIZE
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["decay_linear_attention"]
 
@@ -34,6 +35,7 @@ def _row_chunks(x: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tens
     return x.reshape(num_chunks, chunk_size, *x.shape[1:]).movedim(1, 2)
 
 
+@without_autocast
 def decay_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            boundaries: StaticBoundaries, *, scale: float, initial_state: torch.Tensor | None,
                            output_final_state: bool, chunk_size: int = CHUNK_SIZE

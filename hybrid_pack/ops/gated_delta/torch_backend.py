@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_pack.boundaries import ChunkLayout, PackedBoundaries
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["CHUNK_SIZE", "L2NORM_EPS", "gated_delta_rule", "l2norm"]
 
@@ -56,6 +57,7 @@ def _start_states(initial_state: torch.Tensor | None, boundaries: PackedBoundari
     return states[layout.order]
 
 
+@without_autocast
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      boundaries: PackedBoundaries, *, scale: float, initial_state: torch.Tensor | None,
                      output_final_state: bool, use_qk_l2norm: bool, chunk_size: int = CHUNK_SIZE

@@ -33,6 +33,7 @@ import torch
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.errors import InputError
 from hybrid_pack.ops.gated_delta.torch_backend import CHUNK_SIZE, l2norm
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["gated_delta_rule"]
 
@@ -55,6 +56,7 @@ def _per_slot_from_start(x: torch.Tensor, states: torch.Tensor, start_chunk: tor
     return by_slot[segment, positions].movedim(1, 3) * fresh                         # [N, H, G, C, V]
 
 
+@without_autocast
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      boundaries: StaticBoundaries, *, scale: float, initial_state: torch.Tensor | None,
                      output_final_state: bool, use_qk_l2norm: bool, chunk_size: int = CHUNK_SIZE

@@ -45,9 +45,10 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     """
     check_delta_rule(q, k, v, g, beta, initial_state, boundaries, per_key_gate=True)
     scale = default_scale(q.shape[3]) if scale is None else float(scale)
-    arguments = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
-                 "output_final_state": output_final_state, "use_qk_l2norm": use_qk_l2norm}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(q, k, v, g, beta, initial_state))
+    options = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
+               "use_qk_l2norm": use_qk_l2norm}
+    return ROUTE((q, k, v, g, beta), options, boundaries, backend=backend,
+                 requires_grad=needs_grad(q, k, v, g, beta, initial_state))
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -59,7 +60,8 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 def _fake(tensors: list[torch.Tensor], num_segments: int, *, output_final_state: bool,
           **options: object) -> list[torch.Tensor]:
     q, k, v = tensors[:3]
-    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=state_dtype(q.dtype))]
+    dtype_of_states = state_dtype(torch.promote_types(q.dtype, v.dtype))  # as the torch backend's
+    state = [q.new_empty((num_segments, v.shape[2], k.shape[3], v.shape[3]), dtype=dtype_of_states)]
     return [v.new_empty(v.shape), *(state if output_final_state else [])]
 
 

@@ -24,12 +24,14 @@ import torch
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops.gated_delta.torch_backend import _heads_first, _start_states, l2norm
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["CHUNK_SIZE", "kda"]
 
 CHUNK_SIZE = 16  # the pairwise decays hold C * K numbers per token and head
 
 
+@without_autocast
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         boundaries: PackedBoundaries, *, scale: float, initial_state: torch.Tensor | None, output_final_state: bool,
         use_qk_l2norm: bool, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -35,7 +35,8 @@ def _validate(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          f"{list(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise InputError(f"weight: expected hidden's dtype {dtype_name(hidden.dtype)} (cast the head or the hidden "
-                         f"states, as nn.Linear needs); got {dtype_name(weight.dtype)}")
+                         f"states, or call it inside torch.autocast, which casts both as for nn.Linear); got "
+                         f"{dtype_name(weight.dtype)}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise InputError(f"targets: expected shape {list(hidden.shape[:-1])} (hidden's leading dims); got "
                          f"{list(targets.shape)}")
@@ -59,7 +60,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     Args:
         hidden: ``[..., H]`` (a packed row's final hidden states ``[1, T, H]``), any float dtype.
-        weight: ``[V, H]``, the LM head's weight, in ``hidden``'s dtype.
+        weight: ``[V, H]``, the LM head's weight, in ``hidden``'s dtype (inside ``torch.autocast``, both are cast
+            to its dtype when they differ, as ``F.linear`` casts them).
         targets: any integer dtype (taken as int64) ``[...]`` (``hidden``'s leading dims), already shifted:
             ``targets[t]`` is the token predicted at ``t``; ``-100`` ignored.
         num_items: divide the summed loss by this: the target tokens of every micro-batch of the optimizer step
@@ -80,6 +82,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
              and (w_shape[1], weight.dtype, targets.shape, weight.device, targets.device)
              == (h_shape[-1], hidden.dtype, h_shape[:-1], device, device))
     if not valid:  # one comparison above; the checks naming the field run only when it fails
+        if weight.dtype != hidden.dtype and torch.is_autocast_enabled(device.type) and \
+                hidden.is_floating_point() and weight.is_floating_point():  # both cast, as F.linear is
+            dtype = torch.get_autocast_dtype(device.type)
+            return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, num_items=num_items,
+                                        chunk_size=chunk_size, backend=backend)
         _validate(hidden, weight, targets, chunk_size)
     if len(h_shape) == 2:  # already the backends' rows
         hidden_rows, target_rows = hidden, targets
@@ -87,8 +94,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         hidden_rows, target_rows = hidden.reshape(-1, h_shape[-1]), targets.reshape(-1)
     if target_rows.dtype != torch.int64:  # the backends take int64 ids, as F.cross_entropy does
         target_rows = target_rows.long()
-    arguments = {"hidden": hidden_rows, "weight": weight, "targets": target_rows, "chunk_size": chunk_size}
-    total = ROUTE(arguments, None, backend=backend, requires_grad=needs_grad(hidden, weight))
+    total = ROUTE((hidden_rows, weight, target_rows), {"chunk_size": chunk_size}, None, backend=backend,
+                  requires_grad=needs_grad(hidden, weight))
     count = (target_rows != IGNORE_INDEX).sum() if num_items is None else num_items
     if isinstance(count, torch.Tensor):
         return total / count.to(device=total.device, dtype=total.dtype).clamp(min=1)
@@ -97,11 +104,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return total / count
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def _key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """The route's key: ``H``, ``V``, the chunk size, the dtypes and whether there are no rows at all."""
-    hidden, weight = arguments["hidden"], arguments["weight"]
+    hidden, weight, _ = tensors
     rows, size = hidden.shape
-    return (size, weight.shape[0], arguments["chunk_size"], hidden.dtype, weight.dtype, rows == 0)
+    return (size, weight.shape[0], options["chunk_size"], hidden.dtype, weight.dtype, rows == 0)
 
 
 ROUTE = OpRoute(

@@ -59,7 +59,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         ``T_local`` tokens of the whole row's result.
     """
     x_shape, a_shape = x.shape, A.shape
-    valid = len(x_shape) == 3 and len(a_shape) == 2 and 0 not in x_shape[2:] and 0 not in a_shape
+    valid = len(x_shape) == 3 and len(a_shape) == 2 and x_shape[2] and a_shape[0] and a_shape[1]
     if valid:  # one comparison; the checks naming the field run only when it fails
         channels = x_shape[2]
         t_len = packed_tokens(boundaries, x.device)  # None: not boundaries, or elsewhere
@@ -70,8 +70,8 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
             x.device, dt, A, B, C, D, z, dt_bias)
     if not valid:
         _check(x, dt, A, B, C, D, z, dt_bias, boundaries)
-    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=needs_grad(x, dt, A, B, C, D, z, dt_bias))
+    return ROUTE((x, dt, A, B, C), {"D": D, "z": z, "dt_bias": dt_bias}, boundaries, backend=backend,
+                 requires_grad=needs_grad(x, dt, A, B, C, D, z, dt_bias))
 
 
 def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -98,12 +98,13 @@ def _eager(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     return selective_scan(x, dt, A, B, C, boundaries, D=D, z=z, dt_bias=dt_bias, **options)
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def _key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """The route's key: the sizes but ``T`` and the dtypes (an absent input's None)."""
-    x, A, D, z, dt_bias = arguments["x"], arguments["A"], arguments["D"], arguments["z"], arguments["dt_bias"]
+    x, dt, A, B, C = tensors
+    D, z, dt_bias = options["D"], options["z"], options["dt_bias"]
     channels, state = A.shape
-    return (channels, state, x.dtype, arguments["dt"].dtype, A.dtype, arguments["B"].dtype, arguments["C"].dtype,
-            None if D is None else D.dtype, None if z is None else z.dtype, None if dt_bias is None else dt_bias.dtype)
+    return (channels, state, x.dtype, dt.dtype, A.dtype, B.dtype, C.dtype, None if D is None else D.dtype,
+            None if z is None else z.dtype, None if dt_bias is None else dt_bias.dtype)
 
 
 ROUTE = OpRoute(

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt
-from hybrid_pack.ops.validate import state_dtype
+from hybrid_pack.ops.validate import state_dtype, without_autocast
 
 __all__ = ["selective_scan", "scan", "scan_inputs", "skip_and_gate", "CHUNK_SIZE"]
 
@@ -53,6 +53,7 @@ def skip_and_gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: t
     return y
 
 
+@without_autocast
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    boundaries: PackedBoundaries, *, D: torch.Tensor | None, z: torch.Tensor | None,
                    dt_bias: torch.Tensor | None) -> torch.Tensor:
@@ -129,6 +130,7 @@ class _ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @without_autocast
     def backward(ctx: Any, grad_y: torch.Tensor | None, grad_final: torch.Tensor | None) -> tuple[Any, ...]:
         x, dt, A, B, C, entering = ctx.saved_tensors
         grad_y = torch.zeros_like(x) if grad_y is None else grad_y

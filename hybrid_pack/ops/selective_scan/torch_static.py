@@ -27,12 +27,14 @@ import torch.nn.functional as F
 
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.ops.selective_scan.torch_backend import scan_inputs, skip_and_gate
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["selective_scan", "scan", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 16  # sequential steps per chunk; the chunks' ends then take log2(T / CHUNK_SIZE) passes
 
 
+@without_autocast
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    boundaries: StaticBoundaries, *, D: torch.Tensor | None, z: torch.Tensor | None,
                    dt_bias: torch.Tensor | None) -> torch.Tensor:

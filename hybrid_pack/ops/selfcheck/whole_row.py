@@ -48,10 +48,11 @@ def _gradients(loss: torch.Tensor, args: dict[str, object], names: Sequence[str]
     return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
 
 
-def _same_dtypes(tokens: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
-    """Each per-token output in the dtype the pure-torch backend returns for the call's own inputs (the op's
-    contract, e.g. ``o`` in ``v``'s dtype); raises :class:`~hybrid_pack.isolation.Mismatch`."""
-    for i, (got, want) in enumerate(zip(tokens, expected)):
+def _same_dtypes(outputs: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Each output (per-token outputs, then final states) in the dtype the pure-torch backend returns for the
+    call's own inputs (the op's contract, e.g. ``o`` in ``v``'s dtype, states in float32); raises
+    :class:`~hybrid_pack.isolation.Mismatch`."""
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         if got.dtype != want.dtype:
             raise Mismatch(f"output {i} is {got.dtype}, expected {want.dtype} (the pure-torch backend's on these "
                            "inputs)", what=f"output {i}'s dtype", error=float("inf"), tolerance=0.0)
@@ -69,7 +70,8 @@ def _check(case: CheckCase, boundaries: PackedBoundaries, generator: torch.Gener
         ref_tokens, ref_states = contract.outputs(case.call(reference.fn, boundaries, ref_args))
     worst = compare("against the pure-torch backend", tokens + states, ref_tokens + ref_states, tolerance)
     with torch.no_grad():
-        _same_dtypes(tokens, contract.outputs(case.call(reference.fn, boundaries, case.leaves([])))[0])
+        own_tokens, own_states = contract.outputs(case.call(reference.fn, boundaries, case.leaves([])))
+        _same_dtypes(tokens + states, own_tokens + own_states)
         if requires_grad:  # its verdict serves calls without gradients too, which may take a path of their own
             plain_tokens, plain_states = contract.outputs(case.call(backend.fn, boundaries, case.leaves([])))
             worst = max(worst, compare("without gradients, against the pure-torch backend",

@@ -60,7 +60,7 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         ``y [1, T, H, P]`` in x's dtype, or ``(y, final_states)``.
     """
     x_shape, b_shape = x.shape, B.shape
-    valid = len(x_shape) == 4 and len(b_shape) == 4 and 0 not in x_shape[2:] and 0 not in b_shape[2:] \
+    valid = len(x_shape) == 4 and len(b_shape) == 4 and x_shape[2] and x_shape[3] and b_shape[2] and b_shape[3] \
         and x_shape[2] % b_shape[2] == 0 and type(chunk_size) is int
     if valid:  # one comparison; the checks naming the field run only when it fails
         _, _, h, p = x_shape
@@ -78,10 +78,9 @@ def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     if not valid:
         _check(x, dt, A, B, C, D, z, dt_bias, initial_states, boundaries, chunk_size)
     requires_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)
-    arguments = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
-                 "dt_softplus": dt_softplus, "chunk_size": chunk_size, "initial_states": initial_states,
-                 "return_final_states": return_final_states}
-    return ROUTE(arguments, boundaries, backend=backend, requires_grad=requires_grad)
+    options = {"D": D, "z": z, "dt_bias": dt_bias, "dt_softplus": dt_softplus, "chunk_size": chunk_size,
+               "initial_states": initial_states, "return_final_states": return_final_states}
+    return ROUTE((x, dt, A, B, C), options, boundaries, backend=backend, requires_grad=requires_grad)
 
 
 def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -124,15 +123,15 @@ def _fake(tensors: list[torch.Tensor], num_segments: int, *, return_final_states
     return [x.new_empty(x.shape), *(states if return_final_states else [])]
 
 
-def _key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+def _key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -> tuple[Any, ...]:
     """The route's key: the sizes but ``T``, the flags and the dtypes (an absent input's None)."""
-    x, B, D, z = arguments["x"], arguments["B"], arguments["D"], arguments["z"]
-    dt_bias, initial_states = arguments["dt_bias"], arguments["initial_states"]
+    x, dt, A, B, C = tensors
+    D, z, dt_bias, initial_states = options["D"], options["z"], options["dt_bias"], options["initial_states"]
     _, _, h, p = x.shape
     _, _, g, n = B.shape
-    return (h, p, g, n, arguments["chunk_size"], None if D is None else D.dim(), arguments["dt_softplus"],
-            arguments["return_final_states"], x.dtype, arguments["dt"].dtype, arguments["A"].dtype, B.dtype,
-            arguments["C"].dtype, None if D is None else D.dtype, None if z is None else z.dtype,
+    return (h, p, g, n, options["chunk_size"], None if D is None else D.dim(), options["dt_softplus"],
+            options["return_final_states"], x.dtype, dt.dtype, A.dtype, B.dtype, C.dtype,
+            None if D is None else D.dtype, None if z is None else z.dtype,
             None if dt_bias is None else dt_bias.dtype, None if initial_states is None else initial_states.dtype)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_pack.boundaries import ChunkLayout, PackedBoundaries
-from hybrid_pack.ops.validate import state_dtype
+from hybrid_pack.ops.validate import state_dtype, without_autocast
 
 
 def skip_and_gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
@@ -73,6 +73,7 @@ def _scan_chunks(layout: ChunkLayout, chunk_states: torch.Tensor, chunk_decay: t
     return torch.cat(incoming), torch.cat(finished[::-1])
 
 
+@without_autocast
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                boundaries: PackedBoundaries, *, D: torch.Tensor | None, z: torch.Tensor | None,
                dt_bias: torch.Tensor | None, dt_softplus: bool, chunk_size: int,

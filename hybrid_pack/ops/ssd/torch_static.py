@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from hybrid_pack.boundaries.static import StaticBoundaries
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt, skip_and_gate
-from hybrid_pack.ops.validate import state_dtype
+from hybrid_pack.ops.validate import state_dtype, without_autocast
 
 __all__ = ["mamba2_ssd"]
 
@@ -107,6 +107,7 @@ def _final_states(x_dt: torch.Tensor, B: torch.Tensor, log_in: torch.Tensor, seg
     return torch.where((ends > starts)[:, None, None, None, None], state, initial)
 
 
+@without_autocast
 def mamba2_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                boundaries: StaticBoundaries, *, D: torch.Tensor | None, z: torch.Tensor | None,
                dt_bias: torch.Tensor | None, dt_softplus: bool, chunk_size: int,
