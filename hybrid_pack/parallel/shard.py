@@ -74,21 +74,6 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
             neither a process group nor a one-dimensional mesh, or (``check_ranks``) ranks given different rows.
         BoundaryError: boundaries whose token count is not the row's.
     """
-    if layout not in LAYOUTS:
-        raise InputError(f"layout: expected one of {LAYOUTS}; got {layout!r}")
-    tokens_key = INPUT_IDS if batch.get(INPUT_IDS) is not None else INPUTS_EMBEDS
-    tokens = batch.get(tokens_key)
-    if tokens is None or tokens.dim() < 2 or tokens.shape[0] != 1:
-        got = "nothing" if tokens is None else f"shape {list(tokens.shape)}"
-        raise InputError(f"{tokens_key}: expected one packed row [1, T] (PackingCollator builds one row per batch; "
-                         f"shard each row on its own); got {got}")
-    given = batch.get(BOUNDARIES)
-    if isinstance(given, ShardedBoundaries):
-        raise InputError(f"{BOUNDARIES}: this batch is already one rank's shard; shard the whole row once")
-    if given is not None and not isinstance(given, PackedBoundaries):
-        raise InputError(f"{BOUNDARIES}: expected the whole row's PackedBoundaries; got {type(given).__name__}")
-    row = PackedBoundaries.from_batch(batch) if given is None else given
-    refusal = _refusal(batch, row, tokens)
     group = _process_group(group)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -96,6 +81,7 @@ def shard_batch(batch: Mapping[str, Any], group: Any = None, *, layout: str = "c
         raise InputError("group: given, but torch.distributed is not initialised; call init_process_group first")
     else:
         rank, world_size = 0, 1
+    tokens_key, tokens, row, refusal = _local_row(batch, layout)
     if check_ranks and world_size > 1:  # every rank raises, or none: a rank left alone would wait in a collective
         _refuse_different_rows(tokens_key, tokens, row, layout, group, rank, refusal)
     elif refusal is not None:
@@ -137,6 +123,30 @@ def _process_group(group: Any) -> Any:
     return group
 
 
+def _local_row(batch: Mapping[str, Any], layout: str
+               ) -> tuple[str, torch.Tensor | None, PackedBoundaries | None, InputError | None]:
+    """``(tokens key, tokens, the row's boundaries, why this rank cannot shard it)``: the checks that need no other
+    rank, returned, not raised, so that every rank learns of a refusal before any raises (the row None then)."""
+    tokens_key = INPUT_IDS if batch.get(INPUT_IDS) is not None else INPUTS_EMBEDS
+    tokens = batch.get(tokens_key)
+    try:
+        if layout not in LAYOUTS:
+            raise InputError(f"layout: expected one of {LAYOUTS}; got {layout!r}")
+        if tokens is None or tokens.dim() < 2 or tokens.shape[0] != 1:
+            got = "nothing" if tokens is None else f"shape {list(tokens.shape)}"
+            raise InputError(f"{tokens_key}: expected one packed row [1, T] (PackingCollator builds one row per "
+                             f"batch; shard each row on its own); got {got}")
+        given = batch.get(BOUNDARIES)
+        if isinstance(given, ShardedBoundaries):
+            raise InputError(f"{BOUNDARIES}: this batch is already one rank's shard; shard the whole row once")
+        if given is not None and not isinstance(given, PackedBoundaries):
+            raise InputError(f"{BOUNDARIES}: expected the whole row's PackedBoundaries; got {type(given).__name__}")
+        row = PackedBoundaries.from_batch(batch) if given is None else given
+    except InputError as error:
+        return tokens_key, tokens, None, error
+    return tokens_key, tokens, row, _refusal(batch, row, tokens)
+
+
 def _refusal(batch: Mapping[str, Any], row: PackedBoundaries, tokens: torch.Tensor) -> InputError | None:
     """What this rank's row cannot be sharded for (boundaries of another row, images or videos), or None."""
     if row.total_tokens != tokens.shape[1]:
@@ -150,16 +160,19 @@ def _refusal(batch: Mapping[str, Any], row: PackedBoundaries, tokens: torch.Tens
     return None
 
 
-def _refuse_different_rows(tokens_key: str, tokens: torch.Tensor, row: PackedBoundaries, layout: str, group: Any,
-                           rank: int, refusal: InputError | None) -> None:
-    """Raise on every rank when one rank refused its row (``refusal``) or the group's ranks were given different
-    rows (one small collective)."""
-    digest = None
-    if tokens.device.type == "cpu":  # a digest of tokens on an accelerator would read them back: lengths only
-        digest = hashlib.blake2b(tokens.detach().contiguous().view(torch.uint8).numpy().tobytes(),
-                                 digest_size=8).hexdigest()
-    lengths = hashlib.blake2b(repr(row.lengths).encode(), digest_size=8).hexdigest()
-    mine = (int(tokens.shape[1]), layout, lengths, digest, None if refusal is None else str(refusal))
+def _refuse_different_rows(tokens_key: str, tokens: torch.Tensor | None, row: PackedBoundaries | None, layout: str,
+                           group: Any, rank: int, refusal: InputError | None) -> None:
+    """Raise on every rank when one rank refused its row (``refusal``; ``row`` None when it has none) or the
+    group's ranks were given different rows (one small collective)."""
+    if refusal is not None:
+        mine: tuple[Any, ...] = (None, layout, None, None, str(refusal))
+    else:
+        digest = None
+        if tokens.device.type == "cpu":  # a digest of tokens on an accelerator would read them back: lengths only
+            digest = hashlib.blake2b(tokens.detach().contiguous().view(torch.uint8).numpy().tobytes(),
+                                     digest_size=8).hexdigest()
+        lengths = hashlib.blake2b(repr(row.lengths).encode(), digest_size=8).hexdigest()
+        mine = (int(tokens.shape[1]), layout, lengths, digest, None)
     rows = share_objects(mine, group)
     if refusal is not None:
         raise refusal

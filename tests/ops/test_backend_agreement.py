@@ -63,3 +63,31 @@ def test_evaluation_calls_settle_at_the_warm_up_too(tmp_path):
         assert trainer["ran"] == {"grad": ["planted"], "no_grad": ["planted"]}, trainer
         assert result["dpo"] == {"ran": {"grad": [], "no_grad": ["planted"]}}, result["dpo"]
     assert ranks[0]["trainer"]["first"] == ranks[1]["trainer"]["first"], "the ranks' evaluation loss is gathered"
+
+
+@pytest.mark.distributed
+def test_a_warm_up_on_one_layout_settles_the_calls_of_every_other(tmp_path):
+    """The pure-torch context-parallel recurrences make other local calls when a rank edge cuts a document (final
+    states, the delta rule's widened values) than when it falls between two: warmed up on one layout, the next
+    row raised ``WarmUpError`` under a kernel (the warm-up now meets the calls of every layout)."""
+    out = tmp_path / "layouts"
+    torchrun("dist_backends.py", str(out), "layouts", timeout=240)
+    for rank in range(2):
+        ran = json.loads(out.with_name(f"{out.name}.rank{rank}.json").read_text())["ran"]
+        assert ran["errors"] == {}, ran["errors"]
+        assert ran["ran"] == [[op, "planted"] for op in ("decay_linear_attention", "gated_delta", "kda", "ssd")]
+
+
+@pytest.mark.distributed
+def test_ranks_whose_registries_or_settings_differ_agree_or_all_raise(tmp_path):
+    """A sharded backend registered on some ranks only made ``verify()`` run a different number of collectives
+    (a hang) or left a key unsettled on one rank (``WarmUpError`` there, the other rank in an exchange); one rank
+    with ``HYBRID_PACK_VERIFY=0`` ran a kernel unchecked. Now such a backend serves no rank, the backends every rank
+    has are checked on all, and differing settings raise on every rank."""
+    out = tmp_path / "registries"
+    torchrun("dist_backends.py", str(out), "registries", timeout=240)
+    ranks = [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text())["ran"] for r in range(2)]
+    for result in ranks:
+        assert ["conv", "planted_sharded"] in result["ran"], result["ran"]
+        assert not {backend for _, backend in result["ran"]} & {"rank_0_only", "rank_1_only"}, result["ran"]
+        assert result["raised"].startswith("HYBRID_PACK_VERIFY: turns the self-checks off on ranks [1] only")

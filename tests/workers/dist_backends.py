@@ -18,7 +18,17 @@ where a planted conv kernel whose backward raises fails its check, then evaluate
 ``PackedSFTTrainer`` (tiny Qwen3.5, a planted exact conv kernel) evaluates before its first training step, trains
 one step and evaluates again. Writes which backend each call ran per gradient mode, and any error.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_backends.py OUT [cp | evaluation]
+With ``layouts``: exact planted kernels of the delta rules, decay linear attention and SSD, warmed up on a row
+whose rank edge falls between two documents, then run on rows whose edge cuts one (where the pure-torch
+context-parallel paths make other local calls: final states, widened values), and the other way round; writes
+what raised and what ran.
+
+With ``registries``: ranks whose registries differ (a sharded conv on every rank, a second one on rank 1 only,
+a sharded attention on rank 0 only) warm up and step; then ``HYBRID_PACK_VERIFY=0`` on rank 1 only; writes what
+ran and what ``verify()`` raised on each rank.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/dist_backends.py OUT [cp | evaluation | fsdp |
+        layouts | registries]
 """
 
 from __future__ import annotations
@@ -35,8 +45,10 @@ import torch.distributed as dist
 
 from hybrid_pack import PackedBoundaries, backends
 from hybrid_pack.distributed import end_process_group
+from hybrid_pack.errors import InputError
 from hybrid_pack.modeling import from_preset
-from hybrid_pack.ops import causal_conv1d, gated_delta_rule, varlen_attention
+from hybrid_pack.ops import causal_conv1d, decay_linear_attention, gated_delta_rule, kda, mamba2_ssd, varlen_attention
+from hybrid_pack.ops.dispatch import selector
 from hybrid_pack.ops.dispatch.registry import reference_of
 from hybrid_pack.parallel import ShardedBoundaries
 from hybrid_pack.parallel.fsdp import apply_fsdp
@@ -52,7 +64,8 @@ def main(out: str, mode: str) -> None:
     rank = int(os.environ["RANK"])
     os.environ["HYBRID_PACK_CACHE"] = f"{out}.cache{rank}"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    ran = {"cp": sharded_ops, "evaluation": evaluation, "fsdp": fsdp_step}[mode](rank)
+    ran = {"cp": sharded_ops, "evaluation": evaluation, "fsdp": fsdp_step, "layouts": layouts,
+           "registries": registries}[mode](rank)
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"ran": ran, "report": backends.report(device="cpu")}, f)
     end_process_group()
@@ -96,6 +109,80 @@ def sharded_ops(rank: int) -> dict:
     step()
     return {d.op: {"backend": d.backend, "refused": dict(d.refused)} for d in backends.decisions()} | {
         "unwarmed": unwarmed, "all": sorted({(d.op, d.backend) for d in backends.decisions()})}
+
+
+def layouts(rank: int) -> dict:
+    """Warm-ups on one layout, calls on the others: ``errors`` (what raised, per warm-up) and what ran."""
+    recurrent = ("gated_delta", "kda", "decay_linear_attention", "ssd")
+    generator = torch.Generator().manual_seed(0)
+    row = {name: torch.randn(1, 32, 2, 8, generator=generator) for name in ("q", "k", "v", "x", "B", "C")}
+    row |= {"g": -torch.rand(1, 32, 2, generator=generator), "gk": -torch.rand(1, 32, 2, 8, generator=generator),
+            "beta": torch.rand(1, 32, 2, generator=generator), "dt": torch.randn(1, 32, 2, generator=generator)}
+    A = -torch.rand(2, generator=generator) - 0.5
+
+    def step(lengths: list[int]) -> None:
+        shard = ShardedBoundaries.from_row(PackedBoundaries.from_document_lengths(lengths), group=None, rank=rank,
+                                           world_size=2)
+        t = {name: x[:, shard.offset:shard.offset + 16].clone().requires_grad_() for name, x in row.items()}
+        outs = [gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], shard, use_qk_l2norm=True)[0],
+                kda(t["q"], t["k"], t["v"], t["gk"], t["beta"], shard, use_qk_l2norm=True)[0],
+                decay_linear_attention(t["q"], t["k"], t["v"], t["g"], shard)[0],
+                mamba2_ssd(t["x"], t["dt"], A, t["B"], t["C"], shard)]
+        sum(o.sum() for o in outs).backward()
+
+    errors = {}
+    for warm, then in (([16, 16], [[5, 27], [20, 12]]), ([5, 27], [[16, 16], [20, 12]])):
+        for op in recurrent:  # registered again: no verdict settled from the warm-up before
+            backends.register(op, PLANTED, reference_of(op).fn, priority=100, devices=("cpu",),
+                              dtypes=(torch.float32,), replace=True)
+        with backends.discovering():
+            step(warm)
+        backends.verify(device="cpu")
+        for lengths in then:
+            try:
+                step(lengths)
+            except backends.WarmUpError as error:
+                errors[f"{warm} then {lengths}"] = str(error)
+    return {"errors": errors, "ran": sorted({(d.op, d.backend) for d in backends.decisions() if d.op in recurrent})}
+
+
+def registries(rank: int) -> dict:
+    """What ran where the ranks' sharded backends differ, and what ``verify()`` raised where one rank turned the
+    self-checks off."""
+    conv_cp = functools.partial(causal_conv1d, backend="torch")
+    attention_cp = functools.partial(varlen_attention, backend="torch")
+    backends.register("conv", SHARDED, conv_cp, priority=100, devices=("cpu",), dtypes=(torch.float32,), sharded=True)
+    if rank == 1:  # another version of a package there
+        backends.register("conv", "rank_1_only", conv_cp, priority=200, devices=("cpu",), dtypes=(torch.float32,),
+                          sharded=True)
+    else:
+        backends.register("attention", "rank_0_only", attention_cp, priority=100, devices=("cpu",),
+                          dtypes=(torch.float32,), sharded=True)
+    shard = ShardedBoundaries.from_row(PackedBoundaries.from_document_lengths([5, 27]), group=None, rank=rank,
+                                       world_size=2)
+    generator = torch.Generator().manual_seed(0)
+    x_row, weight = torch.randn(1, 32, 2, 8, generator=generator), torch.randn(16, 4, generator=generator)
+
+    def step() -> None:
+        x = x_row[:, shard.offset:shard.offset + 16].clone().requires_grad_()
+        (causal_conv1d(x.flatten(2), weight, None, shard).sum() + varlen_attention(x, x, x, shard).sum()).backward()
+
+    with backends.discovering():
+        step()
+    backends.verify(device="cpu")
+    step()
+    ran = sorted({(d.op, d.backend) for d in backends.decisions()})
+    os.environ[selector.VERIFY_ENV] = "0" if rank == 1 else "1"
+    try:
+        with backends.discovering():
+            step()
+        backends.verify(device="cpu")
+        raised = ""
+    except InputError as error:
+        raised = str(error)
+    finally:
+        del os.environ[selector.VERIFY_ENV]
+    return {"ran": ran, "raised": raised}
 
 
 def fsdp_step(rank: int) -> dict:

@@ -215,6 +215,11 @@ def check_errors(rank: int, world: int) -> None:
     expect_input_error("input_ids", lambda: shard_batch(other_lengths))
     with_image = {**batch, "pixel_values": torch.ones(1, 3)} if rank == 0 else batch  # one rank refuses: all stop
     expect_input_error("pixel_values" if rank == 0 else "input_ids", lambda: shard_batch(with_image))
+    # a refusal of the row's shape or of the layout on one rank only: every rank raises (the other ranks waited)
+    two_rows = {**batch, "input_ids": batch["input_ids"].expand(2, -1)} if rank == 0 else batch
+    expect_input_error("input_ids", lambda: shard_batch(two_rows))
+    expect_input_error("layout" if rank == 0 else "input_ids",
+                       lambda: shard_batch(batch, layout="zig-zag" if rank == 0 else "contiguous"))
     mesh = init_device_mesh("cpu", (world,))
     assert torch.equal(shard_batch(batch, mesh)["input_ids"], shard_batch(batch)["input_ids"])
     expect_input_error("group", lambda: shard_batch(batch, list(range(world))))

@@ -413,7 +413,7 @@ class _ThroughHooks:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if _BYPASSING.get() != id(module) and explicit_keys_in(kwargs):  # the hooks would have taken the keys
+        if explicit_keys_in(kwargs) and _BYPASSING.get() != id(module):  # the hooks would have taken the keys
             token = _BYPASSING.set(id(module))
             try:
                 return module(*args, **kwargs)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.cp.state_passing import (
     fold,
@@ -27,6 +28,7 @@ from hybrid_pack.ops.cp.state_passing import (
     state_chain,
     tie,
 )
+from hybrid_pack.ops.dispatch.discovery import recording_keys
 from hybrid_pack.ops.validate import state_dtype
 
 __all__ = ["decay_linear_attention_cp"]
@@ -53,6 +55,15 @@ def decay_linear_attention_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor
     """
     boundaries.check_group()
     local_op, local = functools.partial(op, backend=backend), boundaries.local
+    if recording_keys() and q.shape[1]:
+        # the warm-up's discovery pass: the single-device calls of every layout (no state crossing a rank edge: the
+        # caller's; an edge cutting a document: final states, states in float32), met on the first token, as later
+        # rows make them whatever this row's edges
+        one, first = PackedBoundaries.from_lengths([1], q.device), [t[:, :1] for t in (q, k, v, g)]
+        state = None if initial_state is None else initial_state.new_zeros(1, *initial_state.shape[1:])
+        local_op(*first, one, scale=scale, initial_state=state, output_final_state=output_final_state)
+        local_op(*first, one, scale=scale, initial_state=None if state is None else state.to(state_dtype(v.dtype)),
+                 output_final_state=True)
     chain = state_chain(boundaries)
     if not chain.exchanges:
         return local_op(q, k, v, g, local, scale=scale, initial_state=initial_state,

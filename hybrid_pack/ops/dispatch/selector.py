@@ -232,6 +232,9 @@ def resolve(op: str, *, device: torch.device | str, dtype: torch.dtype, requires
         if why:
             raise BackendUnavailableError(f"{op} backend {forced!r} (forced by {source}) cannot run here: {why}")
         return _decide(chosen, device, requires_grad, signature, [], [], forced=True)
+    if sharded is not None and discovery.recording_keys():  # met by every rank of the group, kernel or not there:
+        # the warm-up then runs each sharded key's collective check on all of them alike
+        discovery.record(discovery.Wanted(op, device.type, dtype_name(dtype), requires_grad, signature, ranks), group)
     skipped, refused = [], []
     for candidate in backends_of(op, sharded=sharded is not None):
         if static_only and candidate.static_fn is None:

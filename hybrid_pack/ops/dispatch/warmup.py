@@ -13,14 +13,22 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from hybrid_pack.distributed import distributed, share_objects
+from hybrid_pack.errors import InputError
 from hybrid_pack.ops.dispatch import discovery, verdicts
 from hybrid_pack.ops.dispatch.discovery import Wanted
-from hybrid_pack.ops.dispatch.registry import backends_of, contract_of, default_device, reference_of, registered_ops
+from hybrid_pack.ops.dispatch.registry import (
+    backends_of,
+    contract_of,
+    default_device,
+    get_backend,
+    reference_of,
+    registered_ops,
+)
 from hybrid_pack.ops.dispatch.route import route_of
-from hybrid_pack.ops.dispatch.selector import local_verdict, verdict_key, verification_enabled
+from hybrid_pack.ops.dispatch.selector import VERIFY_ENV, local_verdict, verdict_key, verification_enabled
 from hybrid_pack.ops.selfcheck.contract import dtype_name
 from hybrid_pack.ops.selfcheck.kept import VerdictKey
-from hybrid_pack.ops.selfcheck.result import CheckResult
+from hybrid_pack.ops.selfcheck.result import CheckResult, device_name
 from hybrid_pack.ops.selfcheck.sharded_row import cp_check
 
 __all__ = ["verify"]
@@ -51,8 +59,12 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
     calls = [c for c in met if op is None or c.op == op]
     sharded_here = {c for c in calls if c.group_ranks}
     if distributed():
-        everyone = share_objects((calls, sharded_here))
-        calls = [c for mine, _ in everyone for c in mine]
+        everyone = share_objects((calls, sharded_here, verification_enabled()))
+        unchecked = [rank for rank, (*_, checks) in enumerate(everyone) if not checks]
+        if unchecked and len(unchecked) < len(everyone):
+            raise InputError(f"{VERIFY_ENV}: turns the self-checks off on ranks {unchecked} only; set it alike on "
+                             "every rank (a rank trusting a kernel unchecked runs another backend than the others)")
+        calls = [c for mine, *_ in everyone for c in mine]
         # a sharded key is checked where every rank of its group ran it (each holds the group to check it on)
         sharded_here = {c for c in calls if c.group_ranks and all(c in everyone[r][1] for r in c.group_ranks)}
     typical = not calls and model is None and not discovered
@@ -104,13 +116,25 @@ def _settle_sharded(calls: list[Wanted], device: torch.device, groups: dict[tupl
         if rank not in call.group_ranks:
             continue
         group, dtype = groups[call.group_ranks], getattr(torch, call.dtype)
-        for backend in backends_of(call.op, sharded=True):
+        mine = backends_of(call.op, sharded=True)
+        registered = share_objects([b.name for b in mine], group)
+        everywhere = [name for name in registered[0] if all(name in names for names in registered)]
+        for backend in mine:  # one registered on some ranks only never serves (its check would be theirs alone)
+            if backend.name not in everywhere:
+                key = verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks)
+                result = CheckResult(backend.op, backend.name, False, "registered on some ranks of the "
+                                     "context-parallel group only; register it on every rank", float("nan"), 0.0,
+                                     device_name(device), call.dtype, key.text(), call.requires_grad)
+                verdicts.settle(key, result)
+                out.append(result)
+        for backend in (get_backend(call.op, name) for name in everywhere):  # the same order on every rank
+            key = verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks)
             if not all(share_objects(not backend.reason(device, dtype, call.requires_grad), group)):
                 continue
             result = cp_check(backend, functools.partial(route_of(call.op).public, backend=reference_of(call.op).name),
                               contract_of(call.op), call.signature, device, call.requires_grad, group,
                               dist.get_group_rank(group or dist.group.WORLD, rank), len(call.group_ranks))
-            verdicts.settle(verdict_key(backend, call.signature, device, call.requires_grad, call.group_ranks), result)
+            verdicts.settle(key, result)
             out.append(result)
     return out
 

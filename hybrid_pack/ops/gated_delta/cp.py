@@ -34,6 +34,7 @@ from hybrid_pack.ops.cp.state_passing import (
     state_chain,
     tie,
 )
+from hybrid_pack.ops.dispatch.discovery import recording_keys
 from hybrid_pack.ops.validate import state_dtype
 
 __all__ = ["gated_delta_rule_cp"]
@@ -66,11 +67,12 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
         rank (float64 inputs: equal to 1e-10).
     """
     boundaries.check_group()
-    local_op, local = functools.partial(op, backend=backend), boundaries.local
+    local_op, local = functools.partial(op, backend=backend, scale=scale, use_qk_l2norm=use_qk_l2norm), boundaries.local
+    if recording_keys() and q.shape[1]:
+        _meet_every_layout(local_op, q, k, v, g, beta, initial_state, output_final_state)
     chain = state_chain(boundaries)
     if not chain.exchanges:
-        return local_op(q, k, v, g, beta, local, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+        return local_op(q, k, v, g, beta, local, initial_state=initial_state, output_final_state=output_final_state)
 
     num_v_heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
     dtype_of_states = state_dtype(v.dtype)
@@ -85,18 +87,17 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
         zero = identity.new_zeros(1, num_v_heads, k_dim, v_dim) if starts is None else starts[:1]
         start = torch.cat([zero, identity], dim=-1)
         o, finals = local_op(q[:, :length], k[:, :length], widened, g[:, :length], beta[:, :length], first,
-                             scale=scale, initial_state=start, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+                             initial_state=start, output_final_state=True)
         (o, u), (finals, maps) = o.split([v_dim, k_dim], dim=-1), finals.split([v_dim, k_dim], dim=-1)
         transition = maps[0]                                              # [HV, K, K]
         if rest is not None:
             o_rest, finals_rest = local_op(q[:, length:], k[:, length:], v[:, length:], g[:, length:],
-                                           beta[:, length:], rest, scale=scale,
-                                           initial_state=None if starts is None else starts[1:],
-                                           output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+                                           beta[:, length:], rest, initial_state=None if starts is None else starts[1:],
+                                           output_final_state=True)
             o, finals = torch.cat([o, o_rest], dim=1), torch.cat([finals, finals_rest])
     else:
-        o, finals = local_op(q, k, v, g, beta, segments_as_documents(boundaries), scale=scale, initial_state=starts,
-                             output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+        o, finals = local_op(q, k, v, g, beta, segments_as_documents(boundaries), initial_state=starts,
+                             output_final_state=True)
         transition = finals.new_zeros(num_v_heads, k_dim, k_dim)
 
     summaries = gather_summaries(torch.cat([finals[-1].flatten(), transition.flatten()]), boundaries)
@@ -114,6 +115,24 @@ def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | Non
         finals = torch.cat([finals[:1] + transition @ incoming, finals[1:]])
     o = tie(o, summaries)
     return o, finals[: local.num_docs] if output_final_state else None
+
+
+def _meet_every_layout(local_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       initial_state: torch.Tensor | None, output_final_state: bool) -> None:
+    """The single-device calls every layout of a row makes (no state crossing a rank edge; a continuing first
+    segment, widened; the other segments), each on this rank's first token: in the warm-up's discovery pass
+    (:func:`hybrid_pack.backends.verify`) their keys are met, as later rows meet them whatever their edges."""
+    one = PackedBoundaries.from_lengths([1], q.device)
+    q, k, v, g, beta = (t[:, :1] for t in (q, k, v, g, beta))
+    num_v_heads, k_dim, v_dim, dtype = v.shape[2], k.shape[3], v.shape[3], state_dtype(v.dtype)
+    state = None if initial_state is None else torch.zeros(1, num_v_heads, k_dim, v_dim, device=v.device)
+    local_op(q, k, v, g, beta, one, initial_state=None if state is None else state.to(initial_state.dtype),
+             output_final_state=output_final_state)
+    local_op(q, k, v, g, beta, one, initial_state=None if state is None else state.to(dtype), output_final_state=True)
+    widened = torch.cat([v, v.new_zeros(1, 1, num_v_heads, k_dim)], dim=-1)
+    local_op(q, k, widened, g, beta, one, output_final_state=True,
+             initial_state=torch.zeros(1, num_v_heads, k_dim, v_dim + k_dim, dtype=dtype, device=v.device))
 
 
 def _first_and_rest(boundaries: ShardedBoundaries) -> tuple[PackedBoundaries, PackedBoundaries | None]:

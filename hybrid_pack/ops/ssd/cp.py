@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.cp.state_passing import (
     fold,
@@ -26,6 +27,7 @@ from hybrid_pack.ops.cp.state_passing import (
     state_chain,
     tie,
 )
+from hybrid_pack.ops.dispatch.discovery import recording_keys
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt
 from hybrid_pack.ops.validate import state_dtype
 
@@ -57,6 +59,15 @@ def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
               "backend": backend}
     boundaries.check_group()
     local = boundaries.local
+    if recording_keys() and x.shape[1] and initial_states is not None:
+        # the warm-up's discovery pass: the single-device calls of every layout (no state crossing a rank edge: the
+        # caller's states; an edge cutting a document: states in float32), met on the first token, as later rows
+        # make them whatever this row's edges
+        state = initial_states.new_zeros(1, *initial_states.shape[1:])
+        for states in (state, state.to(state_dtype(x.dtype))):
+            op(*(t[:, :1] for t in (x, dt)), A, *(t[:, :1] for t in (B, C)),
+               PackedBoundaries.from_lengths([1], x.device), **{**kwargs, "z": None if z is None else z[:, :1]},
+               return_final_states=return_final_states, initial_states=states)
     chain = state_chain(boundaries)
     if not chain.exchanges:
         return op(x, dt, A, B, C, local, **kwargs, initial_states=initial_states,
