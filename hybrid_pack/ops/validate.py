@@ -154,7 +154,9 @@ def delta_rule_key(tensors: tuple[torch.Tensor, ...], options: dict[str, Any]) -
 def default_scale(head_dim: int) -> float:
     """``head_dim ** -0.5`` as a Python float: a size ``torch.compile`` made symbolic (automatic dynamic shapes,
     after a model of other sizes) is specialised, so the backend's choice, which reads the scale, stays constant."""
-    return head_dim ** -0.5 if type(head_dim) is int else specialised((head_dim,))[0] ** -0.5
+    if not torch.compiler.is_compiling():  # a Python int (dynamo answers type() of a symbolic size with int)
+        return head_dim ** -0.5
+    return specialised((head_dim,))[0] ** -0.5
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

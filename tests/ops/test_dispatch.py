@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,6 +183,41 @@ def test_a_compiled_graph_follows_use_backends() -> None:
     assert len(CALLS) == served + 11
 
 
+def test_a_compiled_graph_keeps_a_forcing_while_another_threads_block_ends() -> None:
+    """Another thread's ``use_backends`` block ending put the process's forcing back to that thread's view (none):
+    a graph called inside this thread's still open block ran the planted kernel."""
+    plant()
+    boundaries = ROW.boundaries()
+    static = StaticBoundaries.from_boundaries(boundaries, max_documents=4)
+    args = conv_case(boundaries)
+    conv(args, boundaries)  # settles the planted kernel's key
+    compiled = torch.compile(lambda b: conv(args, b), backend="eager", fullgraph=True)
+    compiled(static)  # the graph without forcing, on the planted kernel
+    inside, ended = threading.Event(), threading.Event()
+    served: list[int] = []
+
+    def forcing_thread() -> None:
+        with backends.use_backends(conv="torch"):
+            inside.set()
+            ended.wait()
+            before = len(CALLS)
+            compiled(static)
+            served.append(len(CALLS) - before)
+
+    def other_thread() -> None:
+        inside.wait()
+        with backends.use_backends(ssd="torch"):
+            pass
+        ended.set()
+
+    threads = [threading.Thread(target=forcing_thread), threading.Thread(target=other_thread)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert served == [0], "inside use_backends(conv='torch') the graph ran the planted kernel"
+
+
 def test_keys_tell_apart_what_signatures_tell_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each op's cheap key fixes its signature: calls with equal keys have equal signatures, over dtypes and optional
     inputs (as the routes receive them from the public ops)."""
@@ -219,6 +255,20 @@ def test_the_warm_up_leaves_the_random_stream_as_it_was() -> None:
     before = torch.get_rng_state()
     backends.verify(model=model, batch={"input": torch.ones(64)})
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_warm_up_leaves_accumulated_gradients_as_they_were() -> None:
+    """A warm-up between two micro-batches of a step (the fix ``WarmUpError`` names for a new batch shape) set every
+    gradient to None: the first micro-batch's contribution was lost."""
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    backends.verify(model=model, batch={"input": torch.full((2, 4), 3.0)})
+    for p, grad in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.grad, grad)
+    fresh = torch.nn.Linear(4, 3)
+    backends.verify(model=fresh, batch={"input": torch.ones(2, 4)})
+    assert all(p.grad is None for p in fresh.parameters())
 
 
 def test_a_discovered_step_that_met_no_key_checks_nothing() -> None:

@@ -388,24 +388,25 @@ def hand_off(module: torch.nn.Module, child: str) -> None:
     module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
     slot = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
     if not isinstance(module.__dict__.get(slot), _ThroughHooks):
-        setattr(module, slot, _ThroughHooks(module))
+        setattr(module, slot, _ThroughHooks(module, module.__dict__.get(slot)))
 
 
 _BYPASSING: contextvars.ContextVar[int | None] = contextvars.ContextVar("hybrid_pack_bypassing", default=None)
 
 
 class _ThroughHooks:
-    """The forward of a module that hands its boundaries off: its class's, except for a direct
-    ``module.forward(**batch)`` with the collator's packed keys (PEFT's tuners call the model that way). That call
-    skips the module's hooks, the entry's and the hand-off's, and the forward drops the keys, so the row would run
-    as one document: it goes through ``module(**batch)`` instead. Picklable."""
+    """The forward of a module that hands its boundaries off: the one it had (``forward``: one set on the instance,
+    such as TRL's fused LM head; None: its class's), except for a direct ``module.forward(**batch)`` with the
+    collator's packed keys (PEFT's tuners call the model that way). That call skips the module's hooks, the entry's
+    and the hand-off's, and the forward drops the keys, so the row would run as one document: it goes through
+    ``module(**batch)`` instead. Picklable (with a picklable ``forward``)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any] | None = None) -> None:
+        self.module, self.forward = module, forward
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(type(self.module).forward.__get__(self.module))
+        return inspect.signature(self.forward or type(self.module).forward.__get__(self.module))
 
     @property
     def __name__(self) -> str:
@@ -419,6 +420,8 @@ class _ThroughHooks:
                 return module(*args, **kwargs)
             finally:
                 _BYPASSING.reset(token)
+        if self.forward is not None:
+            return self.forward(*args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
 
 

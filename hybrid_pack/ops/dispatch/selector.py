@@ -112,27 +112,45 @@ def _parse_env(raw: str) -> dict[str, str]:
 
 
 def forcing(op: str, backend: str | None) -> tuple[str | None, str]:
-    """``(backend, source)`` forced for ``op``: by argument, :func:`use_backends` or ``HYBRID_PACK_BACKENDS``."""
+    """``(backend, source)`` forced for ``op``: by argument, :func:`use_backends` (this thread's blocks; in a
+    compiled graph, every thread's: the graph is the process's) or ``HYBRID_PACK_BACKENDS``."""
     if backend is not None:
         return backend, "backend="
-    if op in _forced.get():
-        return _forced.get()[op], "use_backends()"
+    blocks = _process_forcing() if torch.compiler.is_compiling() else _forced.get()
+    if op in blocks:
+        return blocks[op], "use_backends()"
     env = _parse_env(os.environ.get(ENV_VAR, "").strip())
     return (env[op], ENV_VAR) if op in env else (None, "")
 
 
+_open_blocks: dict[int, Mapping[str, str]] = {}
+"""Every thread's open :func:`use_backends` blocks, in the order they were opened (what compiled graphs follow)."""
+
+
+def _process_forcing() -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for block in list(_open_blocks.values()):
+        merged.update(block)
+    return merged
+
+
 @contextlib.contextmanager
 def use_backends(**forced: str) -> Iterator[None]:
-    """Force backends inside a ``with`` block, e.g. ``use_backends(conv="torch", ssd="mamba_ssm")``. A compiled
-    graph is traced again for each forcing it meets (the choice is one of its constants) and used again when the
-    forcing returns: after the block, the graph from before it."""
-    token = _forced.set(MappingProxyType({**_forced.get(), **_check_forced(forced, "use_backends")}))
-    verdicts.forced(frozenset(_forced.get().items()))
+    """Force backends inside a ``with`` block, e.g. ``use_backends(conv="torch", ssd="mamba_ssm")``: this thread's
+    eager calls, and every compiled graph while the block is open (a graph is the process's: it follows the
+    blocks open in any thread, the latest opened first). A compiled graph is traced again for each forcing it
+    meets (the choice is one of its constants) and used again when the forcing returns: after the block, the graph
+    from before it."""
+    checked = _check_forced(forced, "use_backends")
+    token, block = _forced.set(MappingProxyType({**_forced.get(), **checked})), object()
+    _open_blocks[id(block)] = checked
+    verdicts.forced(frozenset(_process_forcing().items()))
     try:
         yield
     finally:
         _forced.reset(token)
-        verdicts.forced(frozenset(_forced.get().items()))
+        del _open_blocks[id(block)]
+        verdicts.forced(frozenset(_process_forcing().items()))
 
 
 forced_context = _forced.get  # the backends use_backends() forces here (one ContextVar read per call)

@@ -44,16 +44,25 @@ def verify(op: str | None = None, *, model: torch.nn.Module | None = None, batch
     ``torch.no_grad()`` the calls without gradients, as an evaluation makes them), and those met inside
     :func:`~.discovery.discovering`; with no such pass, each op's typical signature per ``dtype`` (default: bfloat16
     and float32 on CUDA, float32 on CPU) on ``device``, the pure-torch backends included. ``op``: only its keys;
-    ``progress``: a progress bar (default: when stderr is a terminal). Returns the verdicts this rank settled.
+    ``progress``: a progress bar (default: when stderr is a terminal). The model's gradients and the random
+    stream are left as they were. Returns the verdicts this rank settled.
     """
     device = default_device() if device is None else torch.device(device)
     if model is not None:  # one eager pass on the pure-torch backends records the keys; gradients, random reset
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with discovery.discovering(), torch.compiler.set_stance("force_eager"), torch.random.fork_rng(devices=cuda):
-            loss = _scalar(model(**(batch or {})))
-            if loss.requires_grad:
-                loss.backward()
-        model.zero_grad(set_to_none=True)
+        parameters = list(model.parameters())
+        accumulated = [p.grad for p in parameters]  # a step's micro-batches so far: put back as they were
+        for p in parameters:
+            p.grad = None
+        try:
+            with discovery.discovering(), torch.compiler.set_stance("force_eager"), \
+                    torch.random.fork_rng(devices=cuda):
+                loss = _scalar(model(**(batch or {})))
+                if loss.requires_grad:
+                    loss.backward()
+        finally:
+            for p, grad in zip(parameters, accumulated, strict=True):
+                p.grad = grad
     discovered, met = discovery.take()
     groups = {c.group_ranks: group for c, group in met.items() if c.group_ranks}
     calls = [c for c in met if op is None or c.op == op]
