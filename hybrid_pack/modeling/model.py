@@ -71,7 +71,8 @@ class CausalLMOutput:
     ``last_hidden_state`` (the final norm's output ``[B, T, hidden]``) and ``head`` are what they are built from;
     ``computed_logits`` holds them once built. They are built as at the forward pass: under the autocast it ran
     under (``autocast``: enabled and dtype), and, in eager mode, only while the head's weight is the one it used
-    (``head_weight`` at its version then): read after an optimizer step changed it in place, they raise.
+    (``head_weight`` at its version then): read after an optimizer step changed it in place, they raise (not
+    checked under FSDP2, whose gathered weight is another tensor after the backward).
 
     Indexable like a Hugging Face ``ModelOutput`` (``out["loss"]``, ``out[0]`` is the first field
     that is not None), so ``transformers.Trainer`` can read it.
@@ -88,7 +89,8 @@ class CausalLMOutput:
     def deferred(cls, loss: torch.Tensor, last_hidden_state: torch.Tensor, head: nn.Linear) -> CausalLMOutput:
         """The output of a forward pass with labels: ``loss`` now, the logits on first read, as they were now."""
         device = last_hidden_state.device.type
-        version = None if torch.compiler.is_compiling() else (head.weight, head.weight._version)
+        weight = head.weight  # (an inference tensor has no version; a trace reads none)
+        version = None if torch.compiler.is_compiling() or weight.is_inference() else (weight, weight._version)
         return cls(loss=loss, last_hidden_state=last_hidden_state, head=head, head_weight=version,
                    autocast=(torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
 

@@ -164,11 +164,20 @@ def test_a_wrapped_mixer_of_a_hand_off_family_keeps_documents_apart(family: str,
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2"])
-def test_forward_called_directly_on_a_hand_off_family_keeps_documents_apart(family: str) -> None:
-    """``model.forward(**batch)`` (PEFT's tuners call the model so) skips the hooks, and the forward of these causal
-    LMs drops the packed keys: the row ran as one document (Mamba2: 0.74 off each document alone)."""
+@pytest.mark.parametrize("keys", ["collator", "position_ids", "boundaries"])
+def test_forward_called_directly_on_a_hand_off_family_keeps_documents_apart(family: str, keys: str) -> None:
+    """``model.forward(...)`` skips the hooks, and the forward of these causal LMs drops the packed keys (or never
+    passes ``boundaries`` on): the row ran as one document (Mamba2: 0.74 off each document alone)."""
     model = patch_model(tiny_model(family))
-    report = check_training_step(lambda b: model.forward(**b).logits, _batch(), model=model)
+
+    def forward(batch: dict) -> torch.Tensor:
+        if keys == "position_ids":
+            batch = {INPUT_IDS: batch[INPUT_IDS], POSITION_IDS: batch[POSITION_IDS]}
+        elif keys == "boundaries":
+            batch = {INPUT_IDS: batch[INPUT_IDS], "boundaries": PackedBoundaries.from_batch(batch)}
+        return model.forward(**batch).logits
+
+    report = check_training_step(forward, _batch(), model=model)
     assert report.ok and report.error is None, str(report)
 
 

@@ -319,6 +319,8 @@ class _HandOff:
         self.name = name
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.compiler.is_compiling():  # the module's own call: its forward is not entered directly
+            _CALLING.set((*_CALLING.get(), id(module)))
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
         if checkpoint is not None and not isinstance(checkpoint, _RecomputeHandingOff):
             module._gradient_checkpointing_func = _RecomputeHandingOff(module, self.name, checkpoint)
@@ -326,6 +328,10 @@ class _HandOff:
             _hand(child, kwargs.get(BOUNDARIES))
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        calling = _CALLING.get()
+        if id(module) in calling:
+            last = len(calling) - 1 - calling[::-1].index(id(module))
+            _CALLING.set(calling[:last] + calling[last + 1:])
         for child in _receivers(module, self.name):
             _hand(child, None)
 
@@ -391,15 +397,18 @@ def hand_off(module: torch.nn.Module, child: str) -> None:
         setattr(module, slot, _ThroughHooks(module, module.__dict__.get(slot)))
 
 
+_CALLING: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("hybrid_pack_calling", default=())
+"""The hand-off modules being called (``module(...)``, their hooks run) in the running context, innermost last."""
 _BYPASSING: contextvars.ContextVar[int | None] = contextvars.ContextVar("hybrid_pack_bypassing", default=None)
 
 
 class _ThroughHooks:
     """The forward of a module that hands its boundaries off: the one it had (``forward``: one set on the instance,
-    such as TRL's fused LM head; None: its class's), except for a direct ``module.forward(**batch)`` with the
-    collator's packed keys (PEFT's tuners call the model that way). That call skips the module's hooks, the entry's
-    and the hand-off's, and the forward drops the keys, so the row would run as one document: it goes through
-    ``module(**batch)`` instead. Picklable (with a picklable ``forward``)."""
+    such as TRL's fused LM head; None: its class's), except for a direct ``module.forward(...)`` call in eager
+    mode. That call skips the module's hooks, the entry's and the hand-off's, and the forward drops the packed
+    keys (or never passes ``boundaries`` on), so a packed row would run as one document: it goes through
+    ``module(...)`` instead, which is the same call for an unpacked one. Picklable (with a picklable
+    ``forward``)."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable[..., Any] | None = None) -> None:
         self.module, self.forward = module, forward
@@ -414,7 +423,7 @@ class _ThroughHooks:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if explicit_keys_in(kwargs) and _BYPASSING.get() != id(module):  # the hooks would have taken the keys
+        if not torch.compiler.is_compiling() and id(module) not in _CALLING.get() and _BYPASSING.get() != id(module):
             token = _BYPASSING.set(id(module))
             try:
                 return module(*args, **kwargs)

@@ -29,11 +29,12 @@ from hybrid_pack.ops.cp.state_passing import (
     tie,
 )
 from hybrid_pack.ops.dispatch.discovery import recording_keys
-from hybrid_pack.ops.validate import state_dtype
+from hybrid_pack.ops.validate import state_dtype, without_autocast
 
 __all__ = ["decay_linear_attention_cp"]
 
 
+@without_autocast
 def decay_linear_attention_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], q: torch.Tensor,
                               k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, boundaries: ShardedBoundaries, *,
                               scale: float, initial_state: torch.Tensor | None, output_final_state: bool,

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ def forcing(op: str, backend: str | None) -> tuple[str | None, str]:
 
 _open_blocks: dict[int, Mapping[str, str]] = {}
 """Every thread's open :func:`use_backends` blocks, in the order they were opened (what compiled graphs follow)."""
+_blocks_lock = threading.Lock()  # a block's change and the forcing it publishes, one at a time
 
 
 def _process_forcing() -> dict[str, str]:
@@ -143,14 +145,16 @@ def use_backends(**forced: str) -> Iterator[None]:
     from before it."""
     checked = _check_forced(forced, "use_backends")
     token, block = _forced.set(MappingProxyType({**_forced.get(), **checked})), object()
-    _open_blocks[id(block)] = checked
-    verdicts.forced(frozenset(_process_forcing().items()))
+    with _blocks_lock:
+        _open_blocks[id(block)] = checked
+        verdicts.forced(frozenset(_process_forcing().items()))
     try:
         yield
     finally:
         _forced.reset(token)
-        del _open_blocks[id(block)]
-        verdicts.forced(frozenset(_process_forcing().items()))
+        with _blocks_lock:
+            del _open_blocks[id(block)]
+            verdicts.forced(frozenset(_process_forcing().items()))
 
 
 forced_context = _forced.get  # the backends use_backends() forces here (one ContextVar read per call)

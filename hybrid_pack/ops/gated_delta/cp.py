@@ -35,11 +35,12 @@ from hybrid_pack.ops.cp.state_passing import (
     tie,
 )
 from hybrid_pack.ops.dispatch.discovery import recording_keys
-from hybrid_pack.ops.validate import state_dtype
+from hybrid_pack.ops.validate import state_dtype, without_autocast
 
 __all__ = ["gated_delta_rule_cp"]
 
 
+@without_autocast
 def gated_delta_rule_cp(op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], q: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         boundaries: ShardedBoundaries, *, scale: float, initial_state: torch.Tensor | None,

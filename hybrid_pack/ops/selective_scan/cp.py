@@ -21,10 +21,12 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.sharded import ShardedBoundaries
 from hybrid_pack.ops.cp.state_passing import fold, gather_summaries, state_chain, tie
 from hybrid_pack.ops.selective_scan import torch_backend
+from hybrid_pack.ops.validate import without_autocast
 
 __all__ = ["selective_scan_cp"]
 
 
+@without_autocast
 def selective_scan_cp(op: Callable[..., torch.Tensor], x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                       B: torch.Tensor, C: torch.Tensor, boundaries: ShardedBoundaries, *, D: torch.Tensor | None,
                       z: torch.Tensor | None, dt_bias: torch.Tensor | None, backend: str | None) -> torch.Tensor:

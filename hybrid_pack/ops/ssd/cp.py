@@ -29,11 +29,12 @@ from hybrid_pack.ops.cp.state_passing import (
 )
 from hybrid_pack.ops.dispatch.discovery import recording_keys
 from hybrid_pack.ops.ssd.torch_backend import discretize_dt
-from hybrid_pack.ops.validate import state_dtype
+from hybrid_pack.ops.validate import state_dtype, without_autocast
 
 __all__ = ["mamba2_ssd_cp"]
 
 
+@without_autocast
 def mamba2_ssd_cp(op: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
                   dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, boundaries: ShardedBoundaries,
                   *, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool,
