@@ -98,10 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kernels (boundary cost) and packed-vs-padded training")
     bench.add_argument("--out", default="runs/bench", help="writes bench.json here")
     bench.add_argument("--model", default="qwen3-next-tiny")
-    bench.add_argument("--steps", type=int, default=5, help="timed training steps per mode")
+    bench.add_argument("--steps", type=int, default=5,
+                       help="training steps per mode (the first is a warm-up, not timed; 11 or more to judge)")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     bench.add_argument("--tokens", type=int, default=None,
-                       help="tokens per row of the kernel benchmark (default: 32768 on CUDA, 8192 on CPU)")
+                       help="tokens per row of the kernel benchmark, at least 8192 (default: 32768 on CUDA, 8192 "
+                            "on CPU)")
     bench.add_argument("--skip-kernels", action="store_true", help="only the training comparison")
     return parser
 
@@ -155,7 +157,8 @@ def _print_summary(metrics: dict[str, Any], out: str) -> None:
         table.add_row("padded tokens per real token", f"{metrics['padded_tokens_ratio']:.2f}")
         table.add_row(f"packed speed-up ({metrics['timed_steps']} timed steps each, warm-up step excluded)",
                       f"{metrics['speedup']:.2f}x")
-        table.add_row("target speed-up (0.9 x padding ratio)", f"{metrics['target_speedup']:.2f}x")
+        table.add_row(f"target speed-up ({metrics['target_factor']} x padding ratio)",
+                      f"{metrics['target_speedup']:.2f}x")
         table.add_row("speed-up against target", metrics["speedup_verdict"])
         agree = "yes" if metrics["losses_agree"] else "NO"
         table.add_row("packed and padded losses agree",
@@ -182,12 +185,13 @@ def _data_loss_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("examples truncated to --capacity", f"{metrics['truncated_examples']:,}"))
     if metrics["split_examples"]:
         rows.append(("examples split into pieces of --capacity", f"{metrics['split_examples']:,}"))
+    what = "examples or split pieces" if metrics["split_examples"] else "examples"  # a piece is dropped alone
     if metrics["dropped_examples"]:
         reasons = ", ".join(f"{n:,} {DROP_REASONS[reason]}"
                             for reason, n in metrics["dropped_examples_by_reason"].items() if n)
-        rows.append(("examples dropped", f"{metrics['dropped_examples']:,} ({reasons})"))
+        rows.append((f"{what} dropped", f"{metrics['dropped_examples']:,} ({reasons})"))
     if metrics["examples_without_targets"]:
-        rows.append(("examples without targets (dropped)", f"{metrics['examples_without_targets']:,}"))
+        rows.append((f"{what} without targets (dropped)", f"{metrics['examples_without_targets']:,}"))
     return rows
 
 
@@ -376,15 +380,24 @@ def _run_backends(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from hybrid_pack.bench.kernels import run_kernel_benchmarks
+    from hybrid_pack.bench.kernels import not_benchmarked, run_kernel_benchmarks
     from hybrid_pack.bench.report import kernel_table
     from hybrid_pack.errors import InputError
+    from hybrid_pack.isolation.layouts import MIN_REAL_TOKENS
     from hybrid_pack.ops.selfcheck.kept import environment
     from hybrid_pack.ops.selfcheck.result import device_name
     from hybrid_pack.training.benchmark import run_benchmark
 
-    if args.tokens is not None and args.tokens < 1:
-        raise InputError(f"--tokens: expected a positive int (tokens per row); got {args.tokens}")
+    if args.tokens is not None and args.skip_kernels:
+        raise InputError("--tokens: sets the kernel benchmark's rows, which --skip-kernels skips; drop one of them")
+    if args.tokens is not None and args.tokens < MIN_REAL_TOKENS:
+        raise InputError(f"--tokens: expected at least {MIN_REAL_TOKENS} tokens per row (the mixed row holds "
+                         f"documents of every size); got {args.tokens}")
+    if args.steps < 2:
+        raise InputError(f"--steps: expected at least 2 (the first step is a warm-up, not timed); got {args.steps}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {str(out)!r} is a file; name a folder for bench.json")
     device = _device(args.device)
     results: dict[str, Any] = {"device": device_name(device), "environment": environment()}
     if not args.skip_kernels:
@@ -392,9 +405,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         tokens = args.tokens or (32_768 if device.type == "cuda" else 8192)
         kernels = run_kernel_benchmarks(device, dtype, tokens)
         results["kernels"] = [r.to_dict() for r in kernels]
-        print(kernel_table(kernels), end="\n\n")
+        results["not_benchmarked"] = not_benchmarked()
+        print(kernel_table(kernels), end="\n")
+        print(f"not benchmarked (checked, not timed): {', '.join(results['not_benchmarked'])}", end="\n\n")
     results["training"] = run_benchmark(model=args.model, steps=args.steps, device=str(device))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     for key, value in results["training"].items():

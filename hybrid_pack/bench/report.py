@@ -16,7 +16,8 @@ def kernel_table(results: list[KernelBenchmark]) -> str:
         if r.skipped:
             lines.append(f"| {r.op} | `{r.backend}` | {r.dtype} | skipped: {r.skipped.split(': ', 1)[-1]} | | | | |")
             continue
+        cost, short = (("n/a (quadratic)",) * 2 if r.boundary_cost != r.boundary_cost
+                       else (f"{r.boundary_cost:+.1%}", f"{r.short_boundary_cost:+.1%}"))
         lines.append(f"| {r.op} | `{r.backend}` | {r.dtype} | {r.one_document_ms:.3f} | {r.mixed_ms:.3f} "
-                     f"({r.mixed_documents}) | {r.boundary_cost:+.1%} | {r.short_documents_ms:.3f} "
-                     f"({r.short_documents}) | {r.short_boundary_cost:+.1%} |")
+                     f"({r.mixed_documents}) | {cost} | {r.short_documents_ms:.3f} ({r.short_documents}) | {short} |")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ import torch
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.errors import InputError
 
-__all__ = ["Layout", "REAL_TOKENS", "adversarial_cp_row", "adversarial_layouts", "model_geometry",
+__all__ = ["Layout", "MIN_REAL_TOKENS", "REAL_TOKENS", "adversarial_cp_row", "adversarial_layouts", "model_geometry",
            "one_document_layout", "real_size_layout", "selfcheck_layout", "short_document_layout"]
 
 
@@ -143,6 +143,8 @@ def adversarial_cp_row(world_size: int, device: torch.device | str | None = None
 
 # ---------------------------------------------------------------- real sizes: GPU tier, benchmarks
 REAL_TOKENS = 32_768
+MIN_REAL_TOKENS = 8192
+"""The shortest row :func:`real_size_layout` builds (its fixed documents need it)."""
 _REAL_SIZE_PADDING = 7
 _SHORT_DOCUMENTS = (1, 2, 5, 17, 31, 63, 40, 9, 1, 48)
 """Documents under 64 tokens, repeated where a row needs many."""
@@ -158,8 +160,9 @@ def real_size_layout(edge: int, total: int = REAL_TOKENS) -> Layout:
     Raises:
         InputError: ``total`` under 8192.
     """
-    if total < 8192:
-        raise InputError(f"total: expected at least 8192 tokens (the layout's fixed documents need them); got {total}")
+    if total < MIN_REAL_TOKENS:
+        raise InputError(f"total: expected at least {MIN_REAL_TOKENS} tokens (the layout's fixed documents need them); "
+                         f"got {total}")
     documents = [1, edge - 1, edge + 1, 1, edge, 2 * edge, min(4096, total // 8), 1, 3 * edge - 1,
                  *_SHORT_DOCUMENTS * 8]
     for length in itertools.cycle((700, 1500, 333, 2048, 129)):

@@ -291,6 +291,8 @@ def check_isolation(model: Any, *, batch: Mapping[str, Any] | None = None, lengt
     has_embeddings = hasattr(model, "get_input_embeddings")
     if grads and not has_embeddings:
         report.skipped.append("gradients: the model has no get_input_embeddings()")
+    if not grads:
+        report.skipped.append("gradients: not checked (grads=False; hybrid-pack check --no-grads)")
     was_training = model.training
     runs = sum(1 + 2 * len(lay.lengths) + (1 + len(lay.lengths) if grads and has_embeddings else 0)
                for lay in layouts)

@@ -29,6 +29,11 @@ MIN_TIMED_STEPS = 10
 """Timed steps (after the warm-up step) below which a speed-up is too noisy to judge against its target."""
 
 
+def target_factor(device: torch.device) -> float:
+    """The packed speed-up's target as a share of the padding ratio: 0.95 on CUDA (bf16), 0.9 elsewhere."""
+    return 0.95 if device.type == "cuda" else 0.9
+
+
 def padded_steps(features: Sequence[dict[str, Any]], order: Sequence[int], num_batches: int,
                  grad_accum: int) -> Iterator[list[MicroBatch]]:
     """Optimizer steps of padded batches: ``order`` cut into ``num_batches`` batches (sizes differ by at most one)."""
@@ -82,13 +87,14 @@ def compare_padded(model: torch.nn.Module, initial_state: dict[str, torch.Tensor
     ratio = padded.computed_tokens / max(1, padded.real_tokens)
     speedup = packed.tokens_per_second / max(padded.tokens_per_second, 1e-12)
     timed_steps = min(len(packed.losses), len(padded.losses)) - 1
+    target = target_factor(device) * ratio
     metrics.update({
         "padded_tokens_per_second": padded.tokens_per_second, "padded_losses": padded.losses,
         "padded_steps": len(padded.losses), "padded_batch_size": len(order) / num_batches,
         "padded_tokens_ratio": ratio, "padded_peak_memory_bytes": padded.peak_memory_bytes,
-        "timed_steps": timed_steps, "speedup": speedup, "target_speedup": 0.9 * ratio,
-        "speedup_meets_target": speedup >= 0.9 * ratio, "speedup_verdict": speedup_verdict(speedup, 0.9 * ratio,
-                                                                                            timed_steps),
+        "timed_steps": timed_steps, "speedup": speedup, "target_factor": target_factor(device),
+        "target_speedup": target, "speedup_meets_target": speedup >= target,
+        "speedup_verdict": speedup_verdict(speedup, target, timed_steps),
         "same_batch_loss_rel_diff": gap, "final_loss_rel_diff": tail_gap,
         "losses_agree": gap < 1e-4 and tail_gap < 0.1,
     })

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 
 from benchmarks.bench_kernels import adapter_overhead, overhead_table
 from hybrid_pack import backends
-from hybrid_pack.bench.kernels import benchmark_backend
+from hybrid_pack.bench.kernels import KernelBenchmark, benchmark_backend, not_benchmarked
 from hybrid_pack.bench.report import kernel_table
 from hybrid_pack.ops.dispatch import registry, selector
 from hybrid_pack.ops.dispatch.registry import get_backend, reference_of
@@ -74,3 +76,22 @@ def test_the_reference_backend_is_timed_directly_too() -> None:
     assert not result.skipped and not overhead.direct_kernel_failed
     assert overhead.direct_kernel_ms > 0 and overhead.public_op_ms == result.mixed_ms
     assert f"{overhead.adapter_overhead:+.1%}" in overhead_table([overhead])
+
+
+def test_attention_has_no_boundary_cost_against_one_document() -> None:
+    """One causal document of T tokens is quadratic work, far more than the packed rows': attention's "boundary
+    cost" came out -67% and -94%, meeting its target whatever the boundaries cost."""
+    attention = KernelBenchmark("attention", "torch", "float32", "", TOKENS, one_document_ms=10.0, mixed_ms=3.0,
+                                mixed_documents=120, short_documents_ms=1.0, short_documents=1500)
+    conv = KernelBenchmark("conv", "torch", "float32", "", TOKENS, one_document_ms=10.0, mixed_ms=10.5,
+                           mixed_documents=120, short_documents_ms=11.0, short_documents=1500)
+    assert math.isnan(attention.boundary_cost) and math.isnan(attention.short_boundary_cost)
+    assert conv.boundary_cost == pytest.approx(0.05)
+    table = kernel_table([attention, conv]).splitlines()
+    assert table[-2].count("n/a (quadratic)") == 2 and "+5.0%" in table[-1]
+    assert sorted(not_benchmarked()) == ["decay_linear_attention", "kda", "linear_cross_entropy", "selective_scan"]
+
+
+def test_an_error_of_the_timing_itself_is_not_reported_as_a_skipped_backend() -> None:
+    with pytest.raises(statistics.StatisticsError):
+        benchmark_backend(reference_of("conv"), torch.float32, torch.device("cpu"), TOKENS, repeats=0)

@@ -55,6 +55,17 @@ def test_backward_only_leak_is_invisible_forward_and_caught_by_gradients():
     assert report.layouts[0].leak_kind == "backward"
 
 
+def test_a_check_without_gradients_says_so():
+    """``grads=False`` (``hybrid-pack check --no-grads``) printed "gradients 0" and an empty ``skipped``, as if the
+    gradients had been checked and were clean; the backward-only leak above passes such a check."""
+    build, _ = LEAKY["leak only in the backward pass"]
+    report = check_isolation(_model(build(DIM)), lengths=[5, 7, 3], grads=False)
+    assert report.ok and all(d.gradient_leak is None for d in report.documents)
+    assert report.skipped == ["gradients: not checked (grads=False; hybrid-pack check --no-grads)"]
+    assert "skipped: gradients: not checked" in str(report)
+    assert json.loads(report.to_json())["skipped"] == report.skipped
+
+
 def test_report_is_readable_and_json():
     build, _ = LEAKY["conv without boundaries"]
     report = check_isolation(_model(build(DIM)), lengths=[4, 6], num_pad_tokens=3)

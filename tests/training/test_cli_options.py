@@ -123,7 +123,11 @@ def test_the_config_checks_the_choices_its_options_offer():
     (["check", "--trainer", "no_such_module_here:make"], "--trainer: cannot import 'no_such_module_here'"),
     (["check", "qwen3-next-tiny", "--json", "/no/such/folder/r.json"], "--json: the folder of '/no/such/folder/"),
     (["train", "--checkpoint-every", "-1"], "checkpoint_every: expected an int >= 0"),
-    (["bench", "--tokens", "0"], "--tokens: expected a positive int"),
+    (["bench", "--tokens", "0"], "--tokens: expected at least 8192 tokens per row"),
+    (["bench", "--tokens", "512"], "--tokens: expected at least 8192 tokens per row"),
+    (["bench", "--tokens", "9000", "--skip-kernels"], "--tokens: sets the kernel benchmark's rows"),
+    (["bench", "--steps", "1"], "--steps: expected at least 2"),
+    (["bench", "--out", __file__], "--out: "),
 ])
 def test_a_bad_value_is_one_line_naming_it_and_exits_2(argv, message, capsys):
     assert main(argv) == 2
@@ -155,3 +159,17 @@ def test_bad_files_and_folders_are_named(tmp_path, capsys):
         assert main([*argv, "--no-progress"] if argv[0] == "train" else argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def test_the_summary_counts_split_pieces_as_pieces():
+    """Under --overflow split a piece without targets is dropped alone: the summary said "examples dropped 2" for
+    two pieces of one example, where no example was dropped."""
+    from hybrid_pack.cli import _data_loss_rows
+
+    counts = {"truncated_examples": 0, "dropped_examples": 2, "examples_without_targets": 2,
+              "dropped_examples_by_reason": {"no_targets": 2}}
+    assert [label for label, _ in _data_loss_rows({**counts, "split_examples": 1})] == [
+        "examples split into pieces of --capacity", "examples or split pieces dropped",
+        "examples or split pieces without targets (dropped)"]
+    assert [label for label, _ in _data_loss_rows({**counts, "split_examples": 0})] == [
+        "examples dropped", "examples without targets (dropped)"]
