@@ -241,7 +241,12 @@ def _forced_backends(values: Sequence[str]) -> dict[str, str]:
 
 def _model_for_check(name: str, *, patch: bool, vocab_size: int | None) -> Any:
     from hybrid_pack.errors import InputError
+    from hybrid_pack.modeling import HybridForCausalLM
 
+    if HybridForCausalLM.saved_in(name):
+        if vocab_size is not None:
+            raise InputError(f"--vocab-size: only a preset's vocabulary can be changed; {name!r} is a saved model")
+        return HybridForCausalLM.from_pretrained(name).float().eval()
     is_hf = name.startswith("hf:") or (Path(name) / "config.json").is_file()
     if vocab_size is not None and is_hf:
         raise InputError(f"--vocab-size: only a preset's vocabulary can be changed; {name!r} is a Hugging Face model")

@@ -18,6 +18,7 @@ Bamba-style stack is ``"MMMAMMMM"``. A list of names (``["gdn", "gdn", "gdn", "a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from os import PathLike
 from pathlib import Path
@@ -159,8 +160,8 @@ class HybridConfig:
         if self.is_moe:
             positive += ["num_experts_per_tok", "moe_intermediate_size"]
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise InputError(f"{name}: expected a positive value; got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:  # NaN and infinity too
+                raise InputError(f"{name}: expected a positive finite value; got {getattr(self, name)!r}")
         for name in ("num_experts", "shared_expert_intermediate_size"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name}: expected an int >= 0; got {getattr(self, name)!r}")

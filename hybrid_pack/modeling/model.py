@@ -10,6 +10,7 @@ path, and RoPE reads their ``document_positions`` (counted from the document's s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -49,6 +50,7 @@ from hybrid_pack.schema import (
     PRIMARY_BOUNDARY_KEYS,
     SECONDARY_BOUNDARY_KEYS,
     SEQ_IDX,
+    SHIFT_LABELS,
 )
 
 __all__ = ["CausalLMOutput", "HybridDecoderLayer", "HybridModel", "HybridForCausalLM"]
@@ -69,8 +71,9 @@ class CausalLMOutput:
     without labels, with its gradient. Under FSDP2 the head's weight is sharded again after the forward pass, and
     reading ``logits`` then gathers it: a collective, so every rank of the mesh must read them.
     ``last_hidden_state`` (the final norm's output ``[B, T, hidden]``) and ``head`` are what they are built from;
-    ``computed_logits`` holds them once built. They are built as at the forward pass: under the autocast it ran
-    under (``autocast``: enabled and dtype), and, in eager mode, only while the head's weight is the one it used
+    ``computed_logits`` holds them once built. They are built as at the forward pass: under the autocast and the
+    grad mode it ran under (``autocast``: enabled and dtype; ``grad_mode``: gradients, inference mode), and, in eager
+    mode, only while the head's weight is the one it used
     (``head_weight`` at its version then): read after an optimizer step changed it in place, they raise (not
     checked under FSDP2, whose gathered weight is another tensor after the backward).
 
@@ -84,15 +87,18 @@ class CausalLMOutput:
     head: nn.Linear | None = field(default=None, repr=False)
     autocast: tuple[bool, torch.dtype] | None = field(default=None, repr=False)
     head_weight: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
+    grad_mode: tuple[bool, bool] = field(default=(True, False), repr=False)  # gradients on, inference mode
 
     @classmethod
     def deferred(cls, loss: torch.Tensor, last_hidden_state: torch.Tensor, head: nn.Linear) -> CausalLMOutput:
         """The output of a forward pass with labels: ``loss`` now, the logits on first read, as they were now."""
         device = last_hidden_state.device.type
-        weight = head.weight  # (an inference tensor has no version; a trace reads none)
-        version = None if torch.compiler.is_compiling() or weight.is_inference() else (weight, weight._version)
+        weight, compiling = head.weight, torch.compiler.is_compiling()  # a trace reads no version, no inference
+        version = None if compiling or weight.is_inference() else (weight, weight._version)  # (inference: none)
+        inference = not compiling and last_hidden_state.is_inference()  # computed in inference mode
         return cls(loss=loss, last_hidden_state=last_hidden_state, head=head, head_weight=version,
-                   autocast=(torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+                   autocast=(torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)),
+                   grad_mode=(torch.is_grad_enabled(), inference))
 
     @property
     def logits(self) -> torch.Tensor:
@@ -104,7 +110,9 @@ class CausalLMOutput:
                 raise InputError("logits: the LM head's weight changed in place after the forward pass (an "
                                  "optimizer step); read out.logits before the step, or run the model again")
             enabled, dtype = self.autocast or (False, None)
-            with torch.autocast(self.last_hidden_state.device.type, dtype=dtype, enabled=enabled):
+            grads, inference = self.grad_mode
+            with torch.autocast(self.last_hidden_state.device.type, dtype=dtype, enabled=enabled), \
+                    torch.inference_mode(inference), torch.set_grad_enabled(grads and not inference):
                 if isinstance(weight, DTensor):  # FSDP2 sharded the head again after the forward: gather it
                     # the gathered weight's gradient is reduce-scattered (averaged) like FSDP2's own
                     weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
@@ -236,7 +244,6 @@ class HybridForCausalLM(nn.Module):
                 host_boundaries: HostBoundaries | StaticHostBoundaries | None = None,
                 boundaries: PackedBoundaries | ShardedBoundaries | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                shift_labels: torch.Tensor | None = None,
                 **kwargs: Any) -> CausalLMOutput:
         """Logits and, with ``labels``, the next-token loss of a packed batch.
 
@@ -257,15 +264,18 @@ class HybridForCausalLM(nn.Module):
                 :class:`~hybrid_pack.parallel.ShardedBoundaries`: this rank's part of a context-parallel row).
             num_items_in_batch: divide the summed loss by this (gradient accumulation).
             attention_mask: not supported; packed rows carry boundaries, not masks.
-            shift_labels: labels already shifted (the target of position t at t), used instead of ``labels``
-                for the loss: what :func:`hybrid_pack.parallel.shard_batch` gives a context-parallel shard.
-            **kwargs: other per-token keys of the batch (``response_mask``, ``advantages``, ...) are
-                for the training loss, not the model, and are not read here.
+            **kwargs: ``shift_labels``: labels already shifted (the target of position t at t), used instead of
+                ``labels`` for the loss: what :func:`hybrid_pack.parallel.shard_batch` gives a context-parallel
+                shard (a keyword of ``**kwargs``, so that transformers' ``Trainer``, which takes every parameter
+                named like a label for one the batch must hold, computes its evaluation loss from ``labels``).
+                Other per-token keys of the batch (``response_mask``, ``advantages``, ...) are for the training
+                loss, not the model, and are not read here.
 
         Returns:
             :class:`CausalLMOutput` with ``logits`` ``[B, T, vocab_size]`` (with labels, built on first read) and
             ``loss`` (None without labels).
         """
+        shift_labels = kwargs.pop(SHIFT_LABELS, None)
         if (input_ids is None) == (inputs_embeds is None):
             raise InputError("input_ids: expected exactly one of input_ids or inputs_embeds")
         if attention_mask is not None:
@@ -346,6 +356,17 @@ class HybridForCausalLM(nn.Module):
         self.config.save(directory / CONFIG_NAME)
         save_model(self, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
+    @staticmethod
+    def saved_in(directory: str | PathLike[str]) -> bool:
+        """Whether ``directory`` holds a model :meth:`save_pretrained` wrote (its ``config.json`` a
+        :class:`HybridConfig`'s: a ``layer_pattern``, no Hugging Face ``model_type``)."""
+        path = Path(directory) / CONFIG_NAME
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(config, dict) and "layer_pattern" in config and "model_type" not in config
+
     @classmethod
     def from_pretrained(cls, directory: str | PathLike[str], map_location: str | torch.device = "cpu"
                         ) -> HybridForCausalLM:
@@ -356,6 +377,6 @@ class HybridForCausalLM(nn.Module):
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise InputError(f"directory: no {name} in {directory}; expected a folder written by save_pretrained")
-        model = cls(HybridConfig.load(directory / CONFIG_NAME))
+        model = cls(HybridConfig.load(directory / CONFIG_NAME)).to(torch.device(map_location))
         load_model(model, directory / WEIGHTS_NAME, device=str(torch.device(map_location)))
         return model

@@ -114,7 +114,9 @@ def expand_vocabulary(model: torch.nn.Module, remap: VocabRemap, vocab_size: int
     Row ``i`` of the input embedding and of the output head becomes the compact row of tokenizer id ``i``: a
     kept id keeps its own row, every other id gets the ``<unk>`` row. Fed tokenizer ids, the model then gives
     the logits the compact model gave on their compact ids, over tokenizer ids: each kept id its own logit,
-    each other id the ``<unk>`` logit. A tied head stays tied; ``model.config.vocab_size`` becomes
+    each other id the ``<unk>`` logit. The logits, not the probabilities: a softmax over all ``vocab_size`` ids
+    counts the ``<unk>`` logit once per other id (a loss, perplexity or sample differs from the compact model's).
+    A tied head stays tied; ``model.config.vocab_size`` becomes
     ``vocab_size``. Works on any model with ``get_input_embeddings`` / ``get_output_embeddings`` (native or
     Hugging Face).
     """

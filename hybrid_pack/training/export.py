@@ -47,6 +47,9 @@ def save_trained_model(model: torch.nn.Module, remap: VocabRemap | None, directo
             f"token ids of its training data, plus one `<unk>` row for every other id. Saved expanded to the "
             f"tokenizer's {tokenizer_vocab:,} ids: it takes Qwen3 tokenizer ids and gives logits over them. A kept "
             f"id has its own embedding and logit; the other {tokenizer_vocab - remap.size + 1:,} ids share the "
-            f"`<unk>` row, so as inputs they are indistinguishable and as outputs each gets the `<unk>` logit. Train a "
-            f"model with the full vocabulary for real use.\n")
+            f"`<unk>` row, so as inputs they are indistinguishable and as outputs each gets the `<unk>` logit. The "
+            f"probabilities over all tokenizer ids are therefore not the trained model's: the softmax counts the "
+            f"`<unk>` logit once per other id, so those ids together take far more probability than `<unk>` had "
+            f"(a loss, perplexity or sample of this model differs from the trained one's; compare logits of kept "
+            f"ids). Train a model with the full vocabulary for real use.\n")
     return {"model_dir": str(directory), "compact_vocabulary": None if remap is None else remap.size}

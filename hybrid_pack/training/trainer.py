@@ -182,8 +182,13 @@ def _train(cfg: TrainConfig, proc: _Process, began: float) -> dict[str, Any]:
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    """A preset (fresh weights, seeded) or a patched Hugging Face model from a local directory."""
+    """A preset (fresh weights, seeded), a native model a run saved (``HybridForCausalLM.save_pretrained``), or a
+    patched Hugging Face model from a local directory."""
+    from hybrid_pack.modeling import HybridForCausalLM
+
     torch.manual_seed(cfg.seed)
+    if HybridForCausalLM.saved_in(cfg.model):
+        return HybridForCausalLM.from_pretrained(cfg.model).float()
     if (Path(cfg.model) / "config.json").is_file():
         from hybrid_pack.integrations.transformers import patch_model
 

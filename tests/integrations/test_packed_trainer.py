@@ -84,3 +84,48 @@ def test_a_warm_up_that_raised_runs_again(tmp_path, monkeypatch) -> None:
     trainer.warm_up_backends(model, {})
     trainer.warm_up_backends(model, {})
     assert len(calls) == 2
+
+
+def test_trainer_evaluates_and_predicts_a_native_model_with_its_defaults(tmp_path) -> None:
+    """transformers' ``Trainer`` takes every forward parameter named like a label for one the batch must hold:
+    with ``shift_labels`` among them, ``evaluate()`` reported no ``eval_loss`` and ``predict()`` raised."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args, eval_dataset=rows, data_collator=PackingCollator())
+    assert trainer.label_names == ["labels"]
+    with torch.no_grad():
+        expected = model(**PackingCollator()(rows)).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert trainer.predict(rows).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_checkpoints_of_a_native_model_with_a_tied_head_save_and_resume(tmp_path) -> None:
+    """The ``Trainer`` wrote a native model's state dict with safetensors, which refuses the tied head and
+    embedding: ``save_steps`` and ``save_model()`` raised. Now the model's own ``save_pretrained`` writes them."""
+    import torch
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+    from hybrid_pack.modeling import HybridForCausalLM
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    assert model.config.tie_word_embeddings
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, save_steps=1, report_to=[], use_cpu=True,
+                             disable_tqdm=True)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[len(r[INPUT_IDS]) for r in rows],
+                            capacity=32)
+    trainer.train()
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = HybridForCausalLM.from_pretrained(tmp_path / "saved")
+    for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(want, got), name

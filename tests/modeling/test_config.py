@@ -36,6 +36,8 @@ def test_config_json_round_trip(tmp_path) -> None:
     ("num_experts_per_tok", {"num_experts": 2, "num_experts_per_tok": 3}),
     ("tie_word_embeddings", {"tie_word_embeddings": "yes"}),
     ("hiden_size", {"hiden_size": 64}),
+    ("rms_norm_eps", {"rms_norm_eps": float("nan")}),  # accepted before: every loss NaN
+    ("initializer_range", {"initializer_range": float("inf")}),
 ])
 def test_bad_config_names_the_field(field: str, overrides: dict) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -161,3 +161,14 @@ def test_logits_read_later_are_those_of_the_forward_pass() -> None:
     with pytest.raises(InputError, match="logits: the LM head's weight changed in place"):
         _ = out.logits
     assert model(**batch).logits.shape == expected.shape  # a new forward pass reads them again
+
+    with torch.inference_mode():  # read outside it, they raised (inference tensors saved for backward)
+        out = model(**batch)
+    assert not out.logits.requires_grad and out.logits.is_inference()
+    with torch.no_grad():
+        out = model(**batch)
+    assert not out.logits.requires_grad  # read outside no_grad, they took a gradient the forward never had
+    out = model(**batch)
+    with torch.no_grad():
+        first = out.logits  # a first read under no_grad kept logits without their gradient
+    assert first.requires_grad

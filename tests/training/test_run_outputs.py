@@ -221,3 +221,23 @@ def test_report_to_wandb_offline_logs_every_step(tmp_path, monkeypatch) -> None:
     reporter.close()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert run_file.stat().st_size > 0
+
+
+def test_a_saved_native_model_trains_again(tmp_path):
+    """The run's own ``model/`` folder (a native ``save_pretrained``) was sent to transformers, which cannot read
+    it: ``train --model`` on it failed, though the docs say a saved checkpoint trains again."""
+    from hybrid_pack.data.tokenizer import save_tokenizer
+    from hybrid_pack.modeling import from_preset
+
+    folder = tmp_path / "model"
+    saved = from_preset("qwen3-next-tiny", vocab_size=TOKENIZER_VOCAB)
+    saved.save_pretrained(folder)
+    save_tokenizer(folder)
+    assert HybridForCausalLM.saved_in(folder) and not HybridForCausalLM.saved_in(tmp_path)
+    model = build_model(TrainConfig(model=str(folder), out=str(tmp_path / "run")))
+    assert isinstance(model, HybridForCausalLM)
+    for (name, want), got in zip(saved.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(want, got), name
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "layer_pattern": "GA"}))
+    assert not HybridForCausalLM.saved_in(tmp_path / "hf")

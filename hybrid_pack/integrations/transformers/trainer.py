@@ -273,3 +273,33 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
                              "torch tensors: leave return_tensors at 'pt'")
         self.packing_collator = collator or PackingCollator(position_ids_fn=model_position_ids_fn(self.model))
         self.use_packed_sampler(sampler)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """A native model (not a ``PreTrainedModel``) as its own ``save_pretrained`` writes it: the ``Trainer``
+        would write its state dict with safetensors, which refuses the tied head and embedding (they share
+        memory). Anything else, and a state dict given (FSDP), as the ``Trainer`` saves it."""
+        from hybrid_pack.modeling import HybridForCausalLM
+
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model, HybridForCausalLM) or state_dict is not None:
+            super()._save(output_dir, state_dict)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, f"{output_dir}/training_args.bin")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """A native model's checkpoint as :meth:`_save` wrote it (its tied head stored once); anything else as the
+        ``Trainer`` loads it."""
+        from hybrid_pack.modeling import HybridForCausalLM
+        from hybrid_pack.modeling.model import WEIGHTS_NAME
+
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if not isinstance(target, HybridForCausalLM) or self.is_fsdp_enabled:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        from safetensors.torch import load_model
+
+        load_model(target, f"{resume_from_checkpoint}/{WEIGHTS_NAME}")
