@@ -328,7 +328,7 @@ class _HandOff:
             _hand(child, kwargs.get(BOUNDARIES))
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        calling = _CALLING.get()
+        calling = () if torch.compiler.is_compiling() else _CALLING.get()
         if id(module) in calling:
             last = len(calling) - 1 - calling[::-1].index(id(module))
             _CALLING.set(calling[:last] + calling[last + 1:])
