@@ -24,6 +24,7 @@ from hybrid_pack.errors import UnsupportedModelError
 from hybrid_pack.integrations.transformers.attention import mark_attention, wrap_every_attention
 from hybrid_pack.integrations.transformers.entry import (
     entry_modules,
+    forward_slot,
     hand_off,
     handed_off,
     install_entry,
@@ -134,7 +135,7 @@ class PackedMixerForward:
 def _patch_mixer(module: torch.nn.Module, packed_forward: PackedForward | WholeCall) -> None:
     """Route ``module``'s forward to ``packed_forward`` on packed calls (:class:`PackedMixerForward`), once; under
     an accelerate hook (offloading, ``device_map``) as the forward the hook wraps (``_old_forward``)."""
-    slot = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+    slot = forward_slot(module)
     if not isinstance(module.__dict__.get(slot), PackedMixerForward):
         setattr(module, slot, PackedMixerForward(module, packed_forward))
     receives_hand_offs(module)

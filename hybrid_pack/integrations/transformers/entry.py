@@ -14,9 +14,8 @@ function and sequence mixer, as it carries transformers' own flash-attention key
 outside the call: a gradient-checkpointing recompute gets the same keywords back, and ``torch.compile``
 traces the hook like any other code (inside a trace the boundaries are
 :class:`~hybrid_pack.boundaries.static.StaticBoundaries`, read from shapes only). An entry's ``forward`` is its
-class's, except where the model's forward drops the keywords (:func:`hand_off`): there a direct
-``module.forward(**batch)``, which skips the hooks, goes through ``module(**batch)``; signatures stay the unpatched
-ones.
+class's, except where the model's forward drops the keywords (:func:`hand_off`): there a direct eager
+``module.forward(...)``, which skips the hooks, goes through ``module(...)``; signatures stay the unpatched ones.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from hybrid_pack.schema import (
 )
 
 __all__ = ["install_entry", "is_entry", "entry_modules", "packed_call_boundaries", "hand_off", "handed_off",
-           "receives_hand_offs", "mark_weightless"]
+           "receives_hand_offs", "forward_slot", "mark_weightless"]
 
 
 OUTPUT_ATTENTIONS = "output_attentions"
@@ -336,6 +335,12 @@ class _HandOff:
             _hand(child, None)
 
 
+def forward_slot(module: torch.nn.Module) -> str:
+    """Where ``module``'s forward is replaced: ``forward``, or under an accelerate hook (offloading, ``device_map``)
+    the ``_old_forward`` the hook wraps."""
+    return "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+
+
 def receives_hand_offs(module: torch.nn.Module) -> None:
     """Mark ``module`` as one that reads the boundaries a parent hands it (an entry, a patched mixer); the attribute
     is there from the patch on: a compiled graph guards on it."""
@@ -385,14 +390,14 @@ class _HandingOff:
 
 def hand_off(module: torch.nn.Module, child: str) -> None:
     """Hand ``module``'s ``boundaries`` keyword to ``module.<child>`` during every call of ``module`` (nothing
-    where the child is None: a layer without it); a call of ``module.forward`` itself with packed keys goes
-    through ``module(...)`` (:class:`_ThroughHooks`)."""
+    where the child is None: a layer without it); a direct eager call of ``module.forward`` goes through
+    ``module(...)`` (:class:`_ThroughHooks`)."""
     if getattr(module, child, None) is None:
         return
     hook = _HandOff(child)
     module.register_forward_pre_hook(hook.before, with_kwargs=True)
     module.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
-    slot = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+    slot = forward_slot(module)
     if not isinstance(module.__dict__.get(slot), _ThroughHooks):
         setattr(module, slot, _ThroughHooks(module, module.__dict__.get(slot)))
 
@@ -400,6 +405,7 @@ def hand_off(module: torch.nn.Module, child: str) -> None:
 _CALLING: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("hybrid_pack_calling", default=())
 """The hand-off modules being called (``module(...)``, their hooks run) in the running context, innermost last."""
 _BYPASSING: contextvars.ContextVar[int | None] = contextvars.ContextVar("hybrid_pack_bypassing", default=None)
+"""The module a direct call is going through ``module(...)`` for: once only, should its hooks not run."""
 
 
 class _ThroughHooks:
