@@ -11,6 +11,7 @@ path, and RoPE reads their ``document_positions`` (counted from the document's s
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -29,6 +30,7 @@ from hybrid_pack.boundaries.targets import shift_labels as shifted_targets
 from hybrid_pack.errors import BoundaryError, InputError
 from hybrid_pack.loss import packed_loss
 from hybrid_pack.modeling.attention import Attention
+from hybrid_pack.modeling.checkpointing import Checkpointing, checkpoint_layers, checkpointing_of
 from hybrid_pack.modeling.config import HybridConfig
 from hybrid_pack.modeling.gated_deltanet import GatedDeltaNet
 from hybrid_pack.modeling.mamba2 import Mamba2
@@ -205,6 +207,7 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = HybridModel(config)
+        self._checkpointing: Checkpointing | None = None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -222,6 +225,40 @@ class HybridForCausalLM(nn.Module):
             module.weight.fill_(1.0)
         elif isinstance(module, (GatedDeltaNet, Mamba2)):
             module.reset_parameters()
+
+    supports_gradient_checkpointing = True
+    """transformers' name for: :meth:`activation_checkpointing_enable` turns activation checkpointing on."""
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Mapping[str, Any] | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute every ``every_n_layers``-th decoder layer's forward in the backward, as transformers' models
+        do (what ``Trainer`` and TRL call for ``gradient_checkpointing=True``): ``activation_checkpointing_kwargs``
+        go to ``torch.utils.checkpoint.checkpoint`` (default non-reentrant); ``offload`` keeps the inputs it saves
+        in host memory. Called again with the same arguments, it changes nothing."""
+        checkpointing = checkpointing_of(activation_checkpointing_kwargs, every_n_layers, offload)
+        if checkpointing != self._checkpointing:
+            checkpoint_layers(self.model.layers, checkpointing)
+            self._checkpointing = checkpointing
+
+    def activation_checkpointing_disable(self) -> None:
+        """Every decoder layer keeps its activations again."""
+        checkpoint_layers(self.model.layers, None)
+        self._checkpointing = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Mapping[str, Any] | None = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        """:meth:`activation_checkpointing_enable` by its name before transformers 5 (PEFT and TRL call it)."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """Whether some decoder layer recomputes its forward in the backward."""
+        return self._checkpointing is not None
+
+    is_gradient_checkpointing = is_activation_checkpointing
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

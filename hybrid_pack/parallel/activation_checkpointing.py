@@ -1,10 +1,11 @@
 """Activation checkpointing of a packed hybrid LM: every decoder block recomputes its forward in the backward.
 
-A Hugging Face model is checkpointed by its own mechanism, ``activation_checkpointing_enable`` (transformers 5;
-``gradient_checkpointing_enable`` before it): each decoder layer calls ``torch.utils.checkpoint`` on its own
-``__call__``. Any other model (the native presets) gets every decoder block
-(:func:`hybrid_pack.parallel.fsdp.decoder_blocks`) replaced in its parent by torch's checkpoint wrapper; state dict
-keys stay the unwrapped model's (the wrapper strips its prefix). Either way the checkpoint is non-reentrant: the
+A model with its own mechanism is checkpointed by it, ``activation_checkpointing_enable`` (transformers 5;
+``gradient_checkpointing_enable`` before it): a Hugging Face model's decoder layers each call
+``torch.utils.checkpoint`` on their own ``__call__``; the native presets put each decoder layer in torch's checkpoint
+wrapper (:mod:`hybrid_pack.modeling.checkpointing`). Any other model gets every decoder block
+(:func:`hybrid_pack.parallel.fsdp.decoder_blocks`) replaced in its parent by that wrapper; state dict keys stay the
+unwrapped model's (the wrapper strips its prefix). Either way the checkpoint is non-reentrant: the
 forward keeps only the block's inputs, and the backward runs the block again as a module (with the same keywords,
 ``boundaries`` included, its hooks, and the same random state) before differentiating it.
 
