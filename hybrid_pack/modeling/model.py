@@ -374,9 +374,9 @@ class HybridForCausalLM(nn.Module):
         if given is None:
             return None
         name = "shift_labels" if shift_labels is not None else "labels"
-        if given.numel() != rows * tokens:
-            raise InputError(f"{name}: expected {rows * tokens} labels (the input's [B, T] = {[rows, tokens]}); got "
-                             f"shape {list(given.shape)}")
+        if tuple(given.shape) != (rows, tokens):
+            raise InputError(f"{name}: expected the input's shape [B, T] = {[rows, tokens]}; got shape "
+                             f"{list(given.shape)}")
         if shift_labels is not None:
             return shift_labels.reshape(1, rows * tokens)
         if isinstance(boundaries, ShardedBoundaries):

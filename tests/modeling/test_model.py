@@ -139,6 +139,11 @@ def test_bad_forward_arguments_raise() -> None:
         model(ids, cu_seqlens=boundaries.cu_seqlens)
     with pytest.raises(ValueError, match="^cu_seq_lens_k"):
         model(ids, cu_seq_lens_k=boundaries.cu_seqlens)
+    rows = torch.arange(12).view(2, 6)  # two documents as rows: labels [6, 2] were read row-major, silently
+    with pytest.raises(ValueError, match=r"^labels: expected the input's shape \[B, T\] = \[2, 6\]"):
+        model(rows, labels=rows.T)
+    with pytest.raises(ValueError, match="^shift_labels"):
+        model(ids, shift_labels=ids.view(-1))
 
 
 
