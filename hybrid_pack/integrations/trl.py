@@ -134,6 +134,10 @@ class PackedSFTTrainer(PackedBatches, SFTTrainer):
             raise InputError(f"data_collator: PackedSFTTrainer collates with hybrid_pack.PackingCollator; got "
                              f"{type(collator).__name__} (pass a PackingCollator, or leave data_collator unset)")
         super().__init__(*args, **kwargs)
+        if self.args.packing and self.args.packing_strategy == "wrapped":
+            raise InputError("packing_strategy: 'wrapped' cuts documents and joins their pieces into rows that "
+                             f"record no document lengths ({TRL_SEQ_LENGTHS}), so documents would share one segment; "
+                             "use 'bfd' or 'bfd_split' (each row lists its documents), or packing=False")
         if capacity is not None and self._is_vision_dataset:
             raise InputError("capacity: TRL turns a vision dataset's images into pixels batch by batch, so no "
                              "example's length is known up front; leave capacity unset (each batch of "
@@ -151,8 +155,13 @@ class PackedSFTTrainer(PackedBatches, SFTTrainer):
             self.data_collator = self.packing_collator = PackedRowsCollator(collator)
         patch_model(self.model)
         if capacity is not None:
-            self.use_packed_sampler(PackedBatchSampler([len(ids) for ids in self.train_dataset[INPUT_IDS]], capacity,
-                                                       num_replicas=self.args.world_size, rank=None,
+            lengths = [len(ids) for ids in self.train_dataset[INPUT_IDS]]
+            longer = [i for i, n in enumerate(lengths) if n > capacity]
+            if longer:
+                raise InputError(f"capacity: example {longer[0]} has {lengths[longer[0]]} tokens, more than "
+                                 f"capacity={capacity} ({len(longer)} example(s) affected); raise capacity, or set "
+                                 f"SFTConfig(max_length={capacity}) for TRL to truncate the examples to it")
+            self.use_packed_sampler(PackedBatchSampler(lengths, capacity, num_replicas=self.args.world_size, rank=None,
                                                        seed=self.args.seed))
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:

@@ -223,6 +223,13 @@ def test_packed_sft_trainer_refuses_what_it_cannot_honour(tmp_path: Path) -> Non
         PackedSFTTrainer(args=_config(tmp_path), data_collator=lambda rows: rows, **arguments)
     with pytest.raises(InputError, match="capacity: .*set packing=False"):
         PackedSFTTrainer(args=_config(tmp_path), capacity=64, **arguments)
+    # TRL's wrapped packing records no document lengths: its rows were taken for one document each, silently
+    with pytest.raises(InputError, match="packing_strategy: 'wrapped' cuts documents"):
+        PackedSFTTrainer(args=_config(tmp_path, packing_strategy="wrapped"), **arguments)
+    # the longest example is 20 tokens: the error named an overflow= the trainer does not take
+    with pytest.raises(InputError, match=r"capacity: example \d+ has \d+ tokens, more than capacity=8 .*"
+                                         r"SFTConfig\(max_length=8\)"):
+        PackedSFTTrainer(args=_config(tmp_path, packing=False, max_length=None), capacity=8, **arguments)
     with pytest.raises(InputError, match=r"rows\[0\]\.seq_lengths: expected positive lengths summing to .* 5 tokens"):
         PackedRowsCollator()([{INPUT_IDS: [3, 4, 5, 6, 7], TRL_SEQ_LENGTHS: [2, 2]}])
     trainer = PackedSFTTrainer(args=_config(tmp_path), data_collator=PackingCollator(pad_to_multiple_of=16),
