@@ -28,6 +28,7 @@ from hybrid_pack.integrations.transformers.trainer import (
     BatchInvariantSteps,
     SettlesBackendsAfterFirstStep,
     check_batch_invariant,
+    refuse_neftune,
 )
 from hybrid_pack.integrations.trl_grpo import refuse_untested_trl
 from hybrid_pack.schema import ATTENTION_MASK, HOST_BOUNDARIES, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_PAD_TOKENS
@@ -189,6 +190,7 @@ class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTr
         if batch_invariant is True and getattr(self, "aux_loss_enabled", False):
             raise InputError("batch_invariant: not with a router's auxiliary loss: it would count the padding of the "
                              "static row; set DPOConfig(router_aux_loss_coef=0.0)")
+        refuse_neftune("PackedDPOTrainer", self.args)
         self.batch_invariant = check_batch_invariant("PackedDPOTrainer", batch_invariant, self.args,
                                                      capacity=packing_capacity, capacity_name="packing_capacity",
                                                      models=(self.model, None if self.ref_model is None else

@@ -40,6 +40,7 @@ from hybrid_pack.integrations.transformers.trainer import (
     BatchInvariantSteps,
     SettlesBackendsAfterFirstStep,
     check_batch_invariant,
+    refuse_neftune,
 )
 from hybrid_pack.packing.plan import plan_packs
 from hybrid_pack.packing.rollouts import pack_rollouts
@@ -255,6 +256,7 @@ class PackedLogProbs:
         self.packing_capacity = _check_capacity(packing_capacity)
         self.max_documents = _check_max_documents(max_documents)
         super().__init__(*args, **kwargs)
+        refuse_neftune(type(self).__name__, self.args)
         self.batch_invariant = check_batch_invariant(type(self).__name__, batch_invariant, self.args,
                                                      capacity=self.packing_capacity, capacity_name="packing_capacity",
                                                      models=(self.model, None if self.ref_model is None else

@@ -129,3 +129,40 @@ def test_checkpoints_of_a_native_model_with_a_tied_head_save_and_resume(tmp_path
     loaded = HybridForCausalLM.from_pretrained(tmp_path / "saved")
     for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(want, got), name
+
+
+def test_neftune_gives_each_packed_document_the_noise_it_gets_alone(tmp_path) -> None:
+    """transformers' NEFTune hook scales its noise by the sequence length ``alpha / sqrt(L * d)``: on a packed row
+    every document got the noise of the whole row's length (1.6x weaker for 4 documents of 5 to 20 tokens). Each
+    token's noise now stays within its own document's ``alpha / sqrt(n * d)`` and reaches it."""
+    import math
+
+    import torch
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    embeddings, ids, noise, cuts = model.get_input_embeddings(), [], [], []
+    model.register_forward_pre_hook(lambda module, args, kwargs: cuts.append(kwargs["cu_seq_lens_q"]), with_kwargs=True)
+    embeddings.register_forward_pre_hook(lambda module, args: ids.append(args[0]))
+    model.model.layers[0].register_forward_pre_hook(  # the embeddings as the first layer gets them
+        lambda module, args: noise.append((args[0] - embeddings.weight[ids[-1]]).detach()))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, neftune_noise_alpha=5.0, learning_rate=0.0)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=64,
+                            collator=PackingCollator(pad_to_multiple_of=16))
+    trainer.train()
+    assert trainer.neftune_noise_alpha == 5.0 and not embeddings._forward_hooks  # its hook removed
+    row = noise[-1][0].abs().amax(dim=-1)  # [T]: each token's largest noise
+    width, start = embeddings.weight.shape[1], 0
+    segments = cuts[-1].diff().tolist()
+    assert sorted(segments) == [5, 6, 7, 10, 20]  # the documents and the padding to 48 tokens
+    for n in segments:
+        bound = 5.0 / math.sqrt(n * width)
+        assert bool((row[start:start + n] <= bound * (1 + 1e-5)).all()) and row[start:start + n].max() > 0.9 * bound
+        start += n
+    assert start == row.numel()

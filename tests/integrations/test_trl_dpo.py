@@ -84,6 +84,16 @@ def test_packed_dpo_trains_with_trl_defaults(tmp_path) -> None:
         assert packed_log[key] == pytest.approx(padded_log[key], rel=2e-2), key
 
 
+def test_packed_dpo_refuses_neftune(tmp_path) -> None:
+    from hybrid_pack.errors import InputError
+
+    with pytest.raises(InputError, match="neftune_noise_alpha: PackedDPOTrainer scores packed rows"):
+        PackedDPOTrainer(model=tiny_model("bamba"), ref_model=tiny_model("bamba"), train_dataset=_pairs(),
+                         processing_class=tiny_tokenizer(),
+                         args=trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                            neftune_noise_alpha=5.0))
+
+
 def test_packed_dpo_refuses_an_untested_trl(tmp_path, monkeypatch) -> None:
     from hybrid_pack.errors import InputError
 

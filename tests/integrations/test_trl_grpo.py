@@ -221,6 +221,14 @@ def test_refuses_a_bad_capacity(capacity: Any, tmp_path: Path) -> None:
                           packing_capacity=capacity)
 
 
+def test_refuses_neftune(tmp_path: Path) -> None:
+    """transformers' NEFTune would scale each completion's noise by the packed row's length, silently weaker."""
+    with pytest.raises(InputError, match="neftune_noise_alpha: PackedGRPOTrainer scores packed rows"):
+        PackedGRPOTrainer(model=tiny_model("bamba"), reward_funcs=_reward, processing_class=tiny_tokenizer(),
+                          args=_config(tmp_path, beta=0.0, neftune_noise_alpha=5.0),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))
+
+
 def test_refuses_multimodal_inputs_and_overlong_sequences(tmp_path: Path) -> None:
     trainer = PackedGRPOTrainer(model=tiny_model("bamba"), reward_funcs=_reward, args=_config(tmp_path, beta=0.0),
                                 train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),

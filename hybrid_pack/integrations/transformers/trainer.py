@@ -32,6 +32,7 @@ from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, MissingExtraError, UnsupportedModelError
 from hybrid_pack.integrations.transformers.experts import BATCH_INVARIANT_EXPERTS
+from hybrid_pack.integrations.transformers.neftune import PackedNEFTune
 from hybrid_pack.mrope import MRopePositions, mrope_position_ids
 from hybrid_pack.ops.invariant import batch_invariant as invariant_mode
 from hybrid_pack.packing.sampler import PackedBatchSampler
@@ -83,6 +84,23 @@ class PackedBatches:
     _real_tokens_seen = 0       # every rank's, up to the last training log
     _log_clock: float | None = None
     _warmed_up: frozenset[bool] = frozenset()  # the gradient modes whose first loss the warm-up ran before
+    _neftune: PackedNEFTune | None = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The trainer's ``train``; with ``neftune_noise_alpha``, each packed document's embeddings get the noise
+        they would get alone (:class:`~hybrid_pack.integrations.transformers.neftune.PackedNEFTune`), not the noise
+        of a sequence as long as the row."""
+        alpha = self.neftune_noise_alpha  # type: ignore[attr-defined]
+        if alpha is None:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        self._neftune = PackedNEFTune(alpha)
+        handle = self._neftune.attach(self.accelerator.unwrap_model(self.model).get_input_embeddings())  # type: ignore[attr-defined]
+        self.neftune_noise_alpha = None  # transformers' own hook stays off
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            handle.remove()
+            self.neftune_noise_alpha, self._neftune = alpha, None
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         positions = inputs.get(POSITION_IDS)
@@ -95,6 +113,8 @@ class PackedBatches:
         if boundaries is not None and self.model.training:  # type: ignore[attr-defined]
             self._log_clock = self._log_clock or time.perf_counter()
             self._tokens_since_log += boundaries.total_tokens - boundaries.num_pad_tokens  # host ints: no sync
+        if self._neftune is not None:
+            self._neftune.use(boundaries, self.args.device)  # type: ignore[attr-defined]
         # Compiled, the model reads the batch's boundary tensors itself (host ints would be graph constants).
         if self.args.torch_compile:  # type: ignore[attr-defined]
             boundaries = None
@@ -176,6 +196,15 @@ class SettlesBackendsAfterFirstStep:
         backends.verify()
         self._settled = self._settled | {kind}  # after: a first step that raised settles on the next one
         return out
+
+
+def refuse_neftune(trainer: str, args: Any) -> None:
+    """:class:`InputError` for ``neftune_noise_alpha`` in a trainer scoring packed rows of its own making, where
+    transformers' NEFTune would scale every document's noise by the whole row's length (weaker than alone)."""
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        raise InputError(f"neftune_noise_alpha: {trainer} scores packed rows, on which transformers' NEFTune scales "
+                         "every document's noise by the row's length (weaker than the document gets alone); leave it "
+                         "None (PackedTrainer and PackedSFTTrainer give each packed document its own noise)")
 
 
 def check_batch_invariant(trainer: str, batch_invariant: Any, args: Any, *, capacity: int | None,

@@ -1,0 +1,55 @@
+"""NEFTune on packed rows: each document's embeddings get the noise they would get alone.
+
+transformers' hook (``TrainingArguments(neftune_noise_alpha=...)``) adds uniform noise of magnitude
+``alpha / sqrt(L * d)`` to the input embeddings ``[B, L, d]``: on a packed row ``L`` is the whole row, so every
+document got the noise of a sequence as long as the row (weaker the more documents it holds). Here each token's
+magnitude is ``alpha / sqrt(n * d)`` with ``n`` the length of its own segment (a document, or the padding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hybrid_pack.boundaries import PackedBoundaries
+
+__all__ = ["PackedNEFTune"]
+
+
+class PackedNEFTune:
+    """The noise hook of one training run: :meth:`attach` it to the model's input embeddings, and give it each
+    packed batch's boundaries (:meth:`use`) before the forward.
+
+    Args:
+        alpha: ``neftune_noise_alpha``.
+    """
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = float(alpha)
+        self._lengths: torch.Tensor | None = None  # float32 [T]: each token's segment length
+
+    def use(self, boundaries: PackedBoundaries | None, device: torch.device) -> None:
+        """The row the next forward embeds (None: not packed, transformers' own noise)."""
+        if boundaries is None:
+            self._lengths = None
+            return
+        lengths = torch.tensor(boundaries.segment_lengths, dtype=torch.float32)
+        self._lengths = lengths.repeat_interleave(lengths.to(torch.int64)).to(device, non_blocking=True)
+
+    def attach(self, embeddings: nn.Module) -> RemovableHandle:
+        return embeddings.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        width = output.shape[-1]
+        lengths = self._lengths
+        if lengths is None or output.dim() != 3 or output.shape[0] != 1 or output.shape[1] != lengths.numel():
+            magnitude = self.alpha / math.sqrt(output.shape[1] * width)  # not the packed row: [B, L, d]'s noise
+            return output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+        magnitude = (self.alpha / torch.sqrt(lengths * width)).to(output.dtype).view(1, -1, 1)
+        return output + torch.empty_like(output).uniform_(-1, 1) * magnitude
