@@ -166,3 +166,48 @@ def test_neftune_gives_each_packed_document_the_noise_it_gets_alone(tmp_path) ->
         assert bool((row[start:start + n] <= bound * (1 + 1e-5)).all()) and row[start:start + n].max() > 0.9 * bound
         start += n
     assert start == row.numel()
+
+
+def test_label_smoothing_shifts_the_labels_of_a_native_model(tmp_path) -> None:
+    """transformers' ``Trainer`` shifts the labels for label smoothing only for the causal LMs it knows by name: a
+    native model's smoothed loss compared each token's logits with its own token (3.73 where 4.92 is right). The
+    loss is now each document's next-token cross-entropy with label smoothing."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.1)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=64)
+    batch = PackingCollator()(rows)
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(batch))
+        logits = torch.cat([model(torch.tensor([r[INPUT_IDS]])).logits[0, :-1] for r in rows])
+    targets = torch.cat([torch.tensor(r[INPUT_IDS][1:]) for r in rows])
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, targets, label_smoothing=0.1).item(), rel=1e-5)
+
+
+def test_evaluation_and_prediction_collate_packed_rows(tmp_path) -> None:
+    """``PackedTrainer`` gave its packing collator to training only: ``evaluate()`` stacked ragged examples with
+    transformers' default collator and raised."""
+    import torch
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=64,
+                            eval_dataset=rows)
+    with torch.no_grad():
+        expected = model(**PackingCollator()(rows)).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert trainer.predict(rows).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)

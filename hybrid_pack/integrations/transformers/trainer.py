@@ -70,6 +70,18 @@ class SetSamplerEpoch(TrainerCallback):
         self.sampler.set_epoch(int(state.epoch or 0))
 
 
+class CausalLabelSmoother:
+    """transformers' ``LabelSmoother`` that always shifts the labels: the ``Trainer`` shifts them only for the causal
+    LMs it knows by name, and compared a native model's logits at each token with that token's own label. On a
+    packed row the shift crosses no document (each document's first label is -100)."""
+
+    def __init__(self, smoother: Callable[..., torch.Tensor]) -> None:
+        self.smoother = smoother
+
+    def __call__(self, outputs: Any, labels: torch.Tensor, shift_labels: bool = False, **kwargs: Any) -> torch.Tensor:
+        return self.smoother(outputs, labels, shift_labels=True, **kwargs)
+
+
 class PackedBatches:
     """What a ``Trainer`` (or a subclass such as TRL's) needs to train on packed rows: a packed ``DataLoader``
     and boundaries built from the host batch before it moves to the device (no device syncs later).
@@ -125,8 +137,12 @@ class PackedBatches:
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """The trainer's loss; before the first training loss and the first evaluation loss, the backends' warm-up
-        on that batch (:meth:`warm_up_backends`)."""
+        on that batch (:meth:`warm_up_backends`). With ``label_smoothing_factor``, the labels are shifted for every
+        model (:class:`CausalLabelSmoother`)."""
         self.warm_up_backends(model, inputs)
+        smoother = self.label_smoother  # type: ignore[attr-defined]
+        if smoother is not None and not isinstance(smoother, CausalLabelSmoother):
+            self.label_smoother = CausalLabelSmoother(smoother)
         return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
 
     def warm_up_backends(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
@@ -301,6 +317,8 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
             raise InputError(f"collator: return_tensors={collator.return_tensors!r}; a trainer feeds the model "
                              "torch tensors: leave return_tensors at 'pt'")
         self.packing_collator = collator or PackingCollator(position_ids_fn=model_position_ids_fn(self.model))
+        if (args[2] if len(args) > 2 else kwargs.get("data_collator")) is None:  # evaluation and prediction too
+            self.data_collator = self.packing_collator
         self.use_packed_sampler(sampler)
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
