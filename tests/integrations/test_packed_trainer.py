@@ -211,3 +211,40 @@ def test_evaluation_and_prediction_collate_packed_rows(tmp_path) -> None:
         expected = model(**PackingCollator()(rows)).loss.item()
     assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
     assert trainer.predict(rows).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_resumed_moe_model_trains_on_from_its_saved_experts(tmp_path) -> None:
+    """transformers 5 holds a MoE model's experts fused and writes them one by one; the ``Trainer`` loaded the
+    checkpoint with ``load_state_dict(strict=False)``, which skipped them: the resumed run trained on from the
+    experts it started with (2.8e-2 off the uninterrupted run). ``PackedTrainer`` loads such a checkpoint through
+    the model's ``from_pretrained``."""
+    import copy
+
+    import torch
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers import patch_model
+    from hybrid_pack.integrations.transformers.tiny import tiny_model
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer, _saved_names
+
+    torch.manual_seed(0)
+    start = patch_model(tiny_model("qwen3_next"))
+    rows = [{INPUT_IDS: torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7, 9, 13, 4, 11)]
+
+    def run(model, out, resume=None):
+        args = TrainingArguments(output_dir=str(out), max_steps=2, save_steps=1, report_to=[], use_cpu=True,
+                                 learning_rate=1e-2, disable_tqdm=True)
+        PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[len(r[INPUT_IDS]) for r in rows],
+                      capacity=32).train(resume_from_checkpoint=resume)
+        return model
+
+    whole = run(copy.deepcopy(start), tmp_path / "whole")
+    assert _saved_names(str(tmp_path / "whole" / "checkpoint-1")) != set(whole.state_dict())  # experts one by one
+    resumed = run(copy.deepcopy(start), tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-1"))
+    changed = False
+    for (name, want), got, first in zip(whole.state_dict().items(), resumed.state_dict().values(),
+                                        start.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+        changed |= "experts" in name and not torch.equal(want, first)
+    assert changed  # the experts trained

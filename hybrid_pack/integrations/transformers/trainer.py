@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, IMAGE_GRID_THW, POSITI
 
 try:
     import accelerate  # noqa: F401  (the Trainer needs it; transformers would only say so once training starts)
-    from transformers import Trainer, TrainerCallback
+    from transformers import PreTrainedModel, Trainer, TrainerCallback
 except ImportError as err:
     raise MissingExtraError("PackedTrainer", "hf", err) from err
 
@@ -68,6 +70,20 @@ class SetSamplerEpoch(TrainerCallback):
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sampler.set_epoch(int(state.epoch or 0))
+
+
+def _saved_names(folder: str) -> set[str] | None:
+    """The weight names of the safetensors checkpoint in ``folder`` (one file or an index), None without one."""
+    from safetensors import safe_open
+
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = Path(folder) / "model.safetensors"
+    if not single.is_file():
+        return None
+    with safe_open(str(single), framework="pt") as weights:
+        return set(weights.keys())
 
 
 class CausalLabelSmoother:
@@ -338,15 +354,22 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
         torch.save(self.args, f"{output_dir}/training_args.bin")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        """A native model's checkpoint as :meth:`_save` wrote it (its tied head stored once); anything else as the
-        ``Trainer`` loads it."""
+        """A native model's checkpoint as :meth:`_save` wrote it (its tied head stored once); a Hugging Face model
+        whose checkpoint names its weights otherwise than its state dict does through its ``from_pretrained``, on
+        the host, then copied in (transformers 5 holds MoE experts fused and writes them one by one: the
+        ``Trainer``'s ``load_state_dict(strict=False)`` skipped them, and a resumed run trained from the experts it
+        started with); anything else as the ``Trainer`` loads it."""
         from hybrid_pack.modeling import HybridForCausalLM
         from hybrid_pack.modeling.model import WEIGHTS_NAME
 
         target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if not isinstance(target, HybridForCausalLM) or self.is_fsdp_enabled:
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-            return
-        from safetensors.torch import load_model
+        if isinstance(target, HybridForCausalLM) and not self.is_fsdp_enabled:
+            from safetensors.torch import load_model
 
-        load_model(target, f"{resume_from_checkpoint}/{WEIGHTS_NAME}")
+            load_model(target, f"{resume_from_checkpoint}/{WEIGHTS_NAME}")
+        elif isinstance(target, PreTrainedModel) and not self.is_fsdp_enabled and \
+                _saved_names(resume_from_checkpoint) not in (None, set(target.state_dict())):
+            saved = type(target).from_pretrained(resume_from_checkpoint, dtype="auto", device_map="cpu")
+            target.load_state_dict(saved.state_dict())  # strict: every weight, or an error naming the others
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
