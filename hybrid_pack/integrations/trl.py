@@ -23,7 +23,9 @@ the loss and gradients of the same examples unpacked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +52,8 @@ from hybrid_pack.integrations.trl_vlm import VisionLanguagePackingCollator, visi
 
 __all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedRLOOTrainer", "PackedRowsCollator", "PackedSFTTrainer",
            "TESTED_TRL", "TRL_SEQ_LENGTHS"]
+
+logger = logging.getLogger(__name__)
 
 TRL_SEQ_LENGTHS = "seq_lengths"
 """TRL's dataset column listing the lengths of the documents its packing put in one row."""
@@ -176,6 +180,27 @@ class PackedSFTTrainer(PackedBatches, SFTTrainer):
             self._total_train_tokens = counted + tokens // self._tp_size
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return loss
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool,
+                         formatting_func: Callable[[dict], str] | None, dataset_name: str) -> Any:
+        """TRL's preparation, with what it cuts counted and shown: TRL truncates every example to ``max_length``
+        (without packing, then drops those left with no label; with ``packing_strategy="bfd"``, when it packs),
+        silently. The examples are tokenized first without the cut, counted, then prepared by TRL as they would
+        have been (a streamed dataset is not counted)."""
+        if not isinstance(dataset, Dataset) or args.max_length is None or (packing and args.packing_strategy != "bfd"):
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        whole = copy.copy(args)
+        whole.max_length, whole.shuffle_dataset = None, False
+        tokenized = super()._prepare_dataset(dataset, processing_class, whole, False, formatting_func, dataset_name)
+        prepared = super()._prepare_dataset(tokenized, processing_class, args, packing, None, dataset_name)
+        over = [n - args.max_length for n in map(len, tokenized[INPUT_IDS]) if n > args.max_length]
+        dropped = 0 if packing else len(tokenized) - len(prepared)
+        if over or dropped:
+            logger.warning("%s dataset: TRL cut %d tokens from the %d of %d examples longer than max_length=%d%s%s",
+                           dataset_name, sum(over), len(over), len(tokenized), args.max_length,
+                           f", then dropped {dropped} examples left without a label" if dropped else "",
+                           " (packing_strategy='bfd_split' keeps every token)" if packing else "")
+        return prepared
 
     def _set_signature_columns_if_needed(self) -> None:
         """Keep the collator's extra per-token columns too (TRL keeps ``input_ids``, ``labels``, ``seq_lengths``)."""

@@ -301,3 +301,35 @@ def test_cli_check_runs_on_a_trainer(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert cli_main(["check", "--trainer", f"{script}:unpatched"]) == 1
     assert "LEAK" in capsys.readouterr().out
     assert cli_main(["check", "--trainer", f"{script}:missing"]) == 2
+
+
+@pytest.mark.parametrize(("data", "settings", "message"), [
+    ("text", {"packing": True, "max_length": 16},
+     r"TRL cut 5 tokens from the 1 of 12 examples longer than max_length=16 \(packing_strategy='bfd_split' keeps"),
+    ("text", {"packing": False, "max_length": 8}, "TRL cut 25 tokens from the 5 of 12 examples longer than "
+     "max_length=8$"),
+    ("prompt_completion", {"packing": False, "max_length": 3}, r"longer than max_length=3, then dropped \d+ examples "
+     "left without a label"),
+    ("text", {"packing": True, "max_length": 16, "packing_strategy": "bfd_split"}, None),
+], ids=["bfd", "truncated", "dropped", "bfd_split"])
+def test_what_trl_cuts_from_the_dataset_is_counted_and_shown(data: str, settings: dict, message: str | None,
+                                                             tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    """TRL truncates examples to max_length (and drops those left without a label) without a word; the packed
+    trainer prepares exactly TRL's dataset and says how much was cut."""
+    dataset = _texts()
+    if data == "prompt_completion":
+        texts = dataset["text"]
+        dataset = Dataset.from_dict({"prompt": [t[:12] for t in texts], "completion": [t[12:] + " w5" for t in texts]})
+    config = _config(tmp_path, **settings)
+    plain = trl.SFTTrainer(model=tiny_model("bamba"), args=config, train_dataset=dataset,
+                           processing_class=tiny_tokenizer())
+    with caplog.at_level(logging.WARNING, logger="hybrid_pack.integrations.trl"):
+        packed = PackedSFTTrainer(model=tiny_model("bamba"), args=config, train_dataset=dataset,
+                                  processing_class=tiny_tokenizer())
+    assert packed.train_dataset.to_list() == plain.train_dataset.to_list()
+    said = [r.getMessage() for r in caplog.records if r.name == "hybrid_pack.integrations.trl"]
+    if message is None:
+        assert not said
+    else:
+        assert len(said) == 1 and re.search(message, said[0]), said
