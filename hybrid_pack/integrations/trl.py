@@ -137,11 +137,13 @@ class PackedSFTTrainer(PackedBatches, SFTTrainer):
         if collator is not None and not isinstance(collator, PackingCollator):
             raise InputError(f"data_collator: PackedSFTTrainer collates with hybrid_pack.PackingCollator; got "
                              f"{type(collator).__name__} (pass a PackingCollator, or leave data_collator unset)")
-        super().__init__(*args, **kwargs)
-        if self.args.packing and self.args.packing_strategy == "wrapped":
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(config, "packing_strategy", None) == "wrapped" and (config.packing or config.eval_packing):
             raise InputError("packing_strategy: 'wrapped' cuts documents and joins their pieces into rows that "
                              f"record no document lengths ({TRL_SEQ_LENGTHS}), so documents would share one segment; "
-                             "use 'bfd' or 'bfd_split' (each row lists its documents), or packing=False")
+                             "use 'bfd' or 'bfd_split' (each row lists its documents), or packing=False and "
+                             "eval_packing=False")
+        super().__init__(*args, **kwargs)
         if capacity is not None and self._is_vision_dataset:
             raise InputError("capacity: TRL turns a vision dataset's images into pixels batch by batch, so no "
                              "example's length is known up front; leave capacity unset (each batch of "

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
+from torch.utils.hooks import RemovableHandle
 
 from hybrid_pack.boundaries import PackedBoundaries
 from hybrid_pack.boundaries.host import HostBoundaries, StaticHostBoundaries
@@ -195,6 +196,11 @@ def _boundaries_for(batch: dict[str, Any], rows: int, tokens: int) -> PackedBoun
     return PackedBoundaries.from_batch(batch)   # with the collator's HOST_BOUNDARIES: no value read (§9b)
 
 
+def _outputs_require_grad(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
 class HybridForCausalLM(nn.Module):
     """A hybrid LM with an LM head, taking the batches :class:`~hybrid_pack.PackingCollator` builds.
 
@@ -208,6 +214,7 @@ class HybridForCausalLM(nn.Module):
         self.config = config
         self.model = HybridModel(config)
         self._checkpointing: Checkpointing | None = None
+        self._input_grads_hook: RemovableHandle | None = None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -239,11 +246,24 @@ class HybridForCausalLM(nn.Module):
         if checkpointing != self._checkpointing:
             checkpoint_layers(self.model.layers, checkpointing)
             self._checkpointing = checkpointing
+            self.enable_input_require_grads()  # a reentrant checkpoint of a frozen embedding's output: no gradient
 
     def activation_checkpointing_disable(self) -> None:
         """Every decoder layer keeps its activations again."""
         checkpoint_layers(self.model.layers, None)
         self._checkpointing = None
+        self.disable_input_require_grads()
+
+    def enable_input_require_grads(self) -> None:
+        """The input embeddings' output requires grad even when the embedding is frozen (an adapter's training): a
+        reentrant checkpoint differentiates a layer only when its input requires grad (transformers' name)."""
+        if self._input_grads_hook is None:
+            self._input_grads_hook = self.get_input_embeddings().register_forward_hook(_outputs_require_grad)
+
+    def disable_input_require_grads(self) -> None:
+        if self._input_grads_hook is not None:
+            self._input_grads_hook.remove()
+            self._input_grads_hook = None
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Mapping[str, Any] | None = None,
                                       every_n_layers: int = 1, offload: bool = False) -> None:

@@ -16,17 +16,13 @@ rank out of an exchange another rank's recompute makes.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from hybrid_pack.modeling.checkpointing import CHECKPOINT_OPTIONS
 from hybrid_pack.parallel.fsdp import decoder_block_slots
 
 __all__ = ["CHECKPOINT_OPTIONS", "apply_activation_checkpointing", "is_checkpointed"]
-
-CHECKPOINT_OPTIONS: dict[str, Any] = {"use_reentrant": False, "early_stop": False}
-"""``torch.utils.checkpoint.checkpoint``'s keywords, for both mechanisms."""
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:

@@ -142,20 +142,29 @@ def test_neftune_gives_each_packed_document_the_noise_it_gets_alone(tmp_path) ->
 
     from hybrid_pack.integrations.transformers.trainer import PackedTrainer
 
-    torch.manual_seed(0)
-    model = from_preset("qwen3-next-tiny", vocab_size=128)
     rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
             for n in (10, 20, 5, 7)]
-    embeddings, ids, noise, cuts = model.get_input_embeddings(), [], [], []
-    model.register_forward_pre_hook(lambda module, args, kwargs: cuts.append(kwargs["cu_seq_lens_q"]), with_kwargs=True)
-    embeddings.register_forward_pre_hook(lambda module, args: ids.append(args[0]))
-    model.model.layers[0].register_forward_pre_hook(  # the embeddings as the first layer gets them
-        lambda module, args: noise.append((args[0] - embeddings.weight[ids[-1]]).detach()))
+    built, ids, noise, cuts = [], [], [], []
+
+    def model_init():  # a new model when the run starts: the noise goes on the embeddings of the model it trains
+        torch.manual_seed(0)
+        model = from_preset("qwen3-next-tiny", vocab_size=128)
+        embeddings = model.get_input_embeddings()
+        model.register_forward_pre_hook(lambda module, args, kwargs: cuts.append(kwargs["cu_seq_lens_q"]),
+                                        with_kwargs=True)
+        embeddings.register_forward_pre_hook(lambda module, args: ids.append(args[0]))
+        model.model.layers[0].register_forward_pre_hook(  # the embeddings as the first layer gets them
+            lambda module, args: noise.append((args[0] - embeddings.weight[ids[-1]]).detach()))
+        built.append(model)
+        return model
+
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
                              disable_tqdm=True, neftune_noise_alpha=5.0, learning_rate=0.0)
-    trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=64,
-                            collator=PackingCollator(pad_to_multiple_of=16))
+    trainer = PackedTrainer(model_init=model_init, args=args, train_dataset=rows, lengths=[10, 20, 5, 7],
+                            capacity=64, collator=PackingCollator(pad_to_multiple_of=16))
     trainer.train()
+    embeddings = built[-1].get_input_embeddings()
+    assert len(built) == 2 and trainer.model is built[-1]
     assert trainer.neftune_noise_alpha == 5.0 and not embeddings._forward_hooks  # its hook removed
     row = noise[-1][0].abs().amax(dim=-1)  # [T]: each token's largest noise
     width, start = embeddings.weight.shape[1], 0
@@ -205,12 +214,13 @@ def test_evaluation_and_prediction_collate_packed_rows(tmp_path) -> None:
     rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
             for n in (10, 20, 5, 7)]
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
-    trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=64,
-                            eval_dataset=rows)
     with torch.no_grad():
         expected = model(**PackingCollator()(rows)).loss.item()
-    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
-    assert trainer.predict(rows).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
+    for collator in (None, PackingCollator(pack_length=32, max_documents=2)):  # 42 tokens of 4 documents
+        trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=32,
+                                eval_dataset=rows, collator=collator)
+        assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+        assert trainer.predict(rows).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_resumed_moe_model_trains_on_from_its_saved_experts(tmp_path) -> None:
@@ -225,7 +235,7 @@ def test_a_resumed_moe_model_trains_on_from_its_saved_experts(tmp_path) -> None:
 
     from hybrid_pack.integrations.transformers import patch_model
     from hybrid_pack.integrations.transformers.tiny import tiny_model
-    from hybrid_pack.integrations.transformers.trainer import PackedTrainer, _saved_names
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer, _renamed_on_disk
 
     torch.manual_seed(0)
     start = patch_model(tiny_model("qwen3_next"))
@@ -240,7 +250,10 @@ def test_a_resumed_moe_model_trains_on_from_its_saved_experts(tmp_path) -> None:
         return model
 
     whole = run(copy.deepcopy(start), tmp_path / "whole")
-    assert _saved_names(str(tmp_path / "whole" / "checkpoint-1")) != set(whole.state_dict())  # experts one by one
+    assert _renamed_on_disk(whole, str(tmp_path / "whole" / "checkpoint-1"))  # the experts one by one
+    dense = tiny_model("lfm2")  # a tied head stored once is no renaming
+    dense.save_pretrained(tmp_path / "dense")
+    assert dense.config.tie_word_embeddings and not _renamed_on_disk(dense, str(tmp_path / "dense"))
     resumed = run(copy.deepcopy(start), tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-1"))
     changed = False
     for (name, want), got, first in zip(whole.state_dict().items(), resumed.state_dict().values(),

@@ -226,6 +226,9 @@ def test_packed_sft_trainer_refuses_what_it_cannot_honour(tmp_path: Path) -> Non
     # TRL's wrapped packing records no document lengths: its rows were taken for one document each, silently
     with pytest.raises(InputError, match="packing_strategy: 'wrapped' cuts documents"):
         PackedSFTTrainer(args=_config(tmp_path, packing_strategy="wrapped"), **arguments)
+    with pytest.raises(InputError, match="packing_strategy: 'wrapped' cuts documents"):  # the evaluation set's
+        PackedSFTTrainer(args=_config(tmp_path, packing=False, eval_packing=True, packing_strategy="wrapped"),
+                         eval_dataset=_texts(), **arguments)
     # the longest example is 20 tokens: the error named an overflow= the trainer does not take
     with pytest.raises(InputError, match=r"capacity: example \d+ has \d+ tokens, more than capacity=8 .*"
                                          r"SFTConfig\(max_length=8\)"):

@@ -25,7 +25,7 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tor
     loss = model(**batch).loss
     loss.backward()
     return loss.detach(), {name.replace("._checkpoint_wrapped_module", ""): p.grad.clone()  # the wrapper's name
-                           for name, p in model.named_parameters()}
+                           for name, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("preset", ["qwen3-next-tiny", "bamba-tiny"])
@@ -62,6 +62,54 @@ def test_enabling_again_keeps_the_wrappers_and_disabling_restores_the_layers() -
                                                                               range(len(originals))]
     model.gradient_checkpointing_disable()
     assert list(model.model.layers) == originals and not model.is_activation_checkpointing
+
+
+@pytest.mark.parametrize("every_n_layers", [1, 2])
+def test_reentrant_checkpoints_train_the_layers_of_a_frozen_embedding(every_n_layers: int) -> None:
+    """A reentrant checkpoint differentiates a layer only when its input requires grad: with the embedding frozen
+    (an adapter's training) it raised, or with ``every_n_layers=2`` left layer 0 without gradients, silently."""
+    torch.manual_seed(0)
+    plain = from_preset("qwen3-next-tiny", vocab_size=128)
+    plain.get_input_embeddings().weight.requires_grad_(False)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.activation_checkpointing_enable({"use_reentrant": True}, every_n_layers=every_n_layers)
+    _, want = _loss_and_grads(plain)
+    _, got = _loss_and_grads(checkpointed)
+    for name, grad in want.items():
+        assert got[name] is not None, name
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    checkpointed.activation_checkpointing_disable()
+    assert not checkpointed.get_input_embeddings()._forward_hooks
+
+
+def test_the_trainers_call_after_parallelize_keeps_the_compiled_layers() -> None:
+    """``parallelize`` checkpoints, then compiles (or shards) each layer; transformers' ``Trainer`` then asks for
+    checkpointing with its defaults, which re-wrapped every layer and dropped the compiled (sharded) one. The same
+    settings change nothing now, and other settings are refused, naming the order that works."""
+    from hybrid_pack.parallel import parallelize
+
+    model = parallelize(from_preset("qwen3-next-tiny", vocab_size=128), mesh=None, activation_checkpointing=True,
+                        compile=True)
+    layers = list(model.model.layers)
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    model.activation_checkpointing_enable()  # the Trainer's call: gradient_checkpointing_kwargs None
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    assert list(model.model.layers) == layers
+    with pytest.raises(InputError, match="activation_checkpointing: decoder layer 0 is sharded by FSDP2 or compiled"):
+        model.activation_checkpointing_enable(every_n_layers=2)
+    assert list(model.model.layers) == layers
+
+
+def test_an_offloading_model_pickles() -> None:
+    import io
+
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    model.activation_checkpointing_enable(offload=True)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.is_activation_checkpointing and is_checkpointed_layer(loaded.model.layers[0])
 
 
 @pytest.mark.parametrize(("options", "field"), [({"every_n_layers": 0}, "every_n_layers"),

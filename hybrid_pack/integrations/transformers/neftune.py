@@ -21,8 +21,8 @@ __all__ = ["PackedNEFTune"]
 
 
 class PackedNEFTune:
-    """The noise hook of one training run: :meth:`attach` it to the model's input embeddings, and give it each
-    packed batch's boundaries (:meth:`use`) before the forward.
+    """The noise hook of one training run: before each forward, :meth:`use` it on the model's input embeddings
+    and the packed batch's boundaries; :meth:`detach` it at the end.
 
     Args:
         alpha: ``neftune_noise_alpha``.
@@ -31,17 +31,25 @@ class PackedNEFTune:
     def __init__(self, alpha: float) -> None:
         self.alpha = float(alpha)
         self._lengths: torch.Tensor | None = None  # float32 [T]: each token's segment length
+        self._embeddings: nn.Module | None = None
+        self._handle: RemovableHandle | None = None
 
-    def use(self, boundaries: PackedBoundaries | None, device: torch.device) -> None:
-        """The row the next forward embeds (None: not packed, transformers' own noise)."""
+    def use(self, embeddings: nn.Module, boundaries: PackedBoundaries | None, device: torch.device) -> None:
+        """Noise on ``embeddings`` (the model the run trains: ``model_init`` may build it once training starts) for
+        the row the next forward embeds (``boundaries`` None: not packed, transformers' own noise)."""
+        if embeddings is not self._embeddings:
+            self.detach()
+            self._embeddings, self._handle = embeddings, embeddings.register_forward_hook(self._hook)
         if boundaries is None:
             self._lengths = None
             return
         lengths = torch.tensor(boundaries.segment_lengths, dtype=torch.float32)
         self._lengths = lengths.repeat_interleave(lengths.to(torch.int64)).to(device, non_blocking=True)
 
-    def attach(self, embeddings: nn.Module) -> RemovableHandle:
-        return embeddings.register_forward_hook(self._hook)
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self._embeddings = self._handle = None
 
     def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         if not module.training:

@@ -18,6 +18,7 @@ static batches of ``capacity`` tokens and every step runs inside :func:`hybrid_p
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import time
@@ -72,6 +73,20 @@ class SetSamplerEpoch(TrainerCallback):
         self.sampler.set_epoch(int(state.epoch or 0))
 
 
+def _renamed_on_disk(model: torch.nn.Module, folder: str) -> bool:
+    """Whether the safetensors checkpoint in ``folder`` names weights ``model``'s state dict does not hold, or leaves
+    out some it holds (a tied weight, stored once, aside)."""
+    saved = _saved_names(folder)
+    if saved is None:
+        return False
+    state = model.state_dict()
+    aliases: dict[Any, list[str]] = {}  # the names of one tensor
+    for name, tensor in state.items():
+        aliases.setdefault((tensor.data_ptr(), tensor.shape, tensor.dtype) if tensor.data_ptr() else name,
+                           []).append(name)
+    return not (saved <= set(state) and all(saved.intersection(names) for names in aliases.values()))
+
+
 def _saved_names(folder: str) -> set[str] | None:
     """The weight names of the safetensors checkpoint in ``folder`` (one file or an index), None without one."""
     from safetensors import safe_open
@@ -122,12 +137,11 @@ class PackedBatches:
         if alpha is None:
             return super().train(*args, **kwargs)  # type: ignore[misc]
         self._neftune = PackedNEFTune(alpha)
-        handle = self._neftune.attach(self.accelerator.unwrap_model(self.model).get_input_embeddings())  # type: ignore[attr-defined]
         self.neftune_noise_alpha = None  # transformers' own hook stays off
         try:
             return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
-            handle.remove()
+            self._neftune.detach()
             self.neftune_noise_alpha, self._neftune = alpha, None
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +156,8 @@ class PackedBatches:
             self._log_clock = self._log_clock or time.perf_counter()
             self._tokens_since_log += boundaries.total_tokens - boundaries.num_pad_tokens  # host ints: no sync
         if self._neftune is not None:
-            self._neftune.use(boundaries, self.args.device)  # type: ignore[attr-defined]
+            embeddings = self.accelerator.unwrap_model(self.model).get_input_embeddings()  # type: ignore[attr-defined]
+            self._neftune.use(embeddings, boundaries, self.args.device)  # type: ignore[attr-defined]
         # Compiled, the model reads the batch's boundary tensors itself (host ints would be graph constants).
         if self.args.torch_compile:  # type: ignore[attr-defined]
             boundaries = None
@@ -335,6 +350,9 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
         self.packing_collator = collator or PackingCollator(position_ids_fn=model_position_ids_fn(self.model))
         if (args[2] if len(args) > 2 else kwargs.get("data_collator")) is None:  # evaluation and prediction too
             self.data_collator = self.packing_collator
+            if self.packing_collator.pack_length is not None:  # an evaluation batch is not planned to fit it
+                self.data_collator = copy.copy(self.packing_collator)
+                self.data_collator.pack_length = self.data_collator.max_documents = None
         self.use_packed_sampler(sampler)
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -368,7 +386,7 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
 
             load_model(target, f"{resume_from_checkpoint}/{WEIGHTS_NAME}")
         elif isinstance(target, PreTrainedModel) and not self.is_fsdp_enabled and \
-                _saved_names(resume_from_checkpoint) not in (None, set(target.state_dict())):
+                _renamed_on_disk(target, resume_from_checkpoint):
             saved = type(target).from_pretrained(resume_from_checkpoint, dtype="auto", device_map="cpu")
             target.load_state_dict(saved.state_dict())  # strict: every weight, or an error naming the others
         else:
