@@ -33,7 +33,7 @@ import torch
 from hybrid_pack.collate import PackingCollator
 from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
-from hybrid_pack.integrations.transformers.trainer import PackedBatches
+from hybrid_pack.integrations.transformers.trainer import PackedBatches, ResumesRenamedWeights
 from hybrid_pack.packing.sampler import PackedBatchSampler
 from hybrid_pack.schema import INPUT_IDS, LABELS, POSITION_IDS
 
@@ -110,7 +110,7 @@ class PackedRowsCollator:
         return self.collator([self.documents(row, i) for i, row in enumerate(rows)])
 
 
-class PackedSFTTrainer(PackedBatches, SFTTrainer):
+class PackedSFTTrainer(PackedBatches, ResumesRenamedWeights, SFTTrainer):
     """``trl.SFTTrainer`` training on packed rows that keep their documents apart.
 
     Takes every argument of ``SFTTrainer``; ``data_collator`` may only be a

@@ -26,6 +26,7 @@ from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.trainer import (
     BatchInvariantSteps,
+    ResumesRenamedWeights,
     SettlesBackendsAfterFirstStep,
     check_batch_invariant,
     refuse_neftune,
@@ -156,7 +157,7 @@ class PackedFusedCalls:
             handle.remove()
 
 
-class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, DPOTrainer):
+class PackedDPOTrainer(SettlesBackendsAfterFirstStep, BatchInvariantSteps, ResumesRenamedWeights, DPOTrainer):
     """``trl.DPOTrainer`` whose policy and reference forwards run on packed rows.
 
     Takes every argument of ``trl.DPOTrainer``. The policy and the reference model are patched

@@ -38,6 +38,7 @@ from hybrid_pack.errors import InputError, MissingExtraError
 from hybrid_pack.integrations.transformers import patch_model
 from hybrid_pack.integrations.transformers.trainer import (
     BatchInvariantSteps,
+    ResumesRenamedWeights,
     SettlesBackendsAfterFirstStep,
     check_batch_invariant,
     refuse_neftune,
@@ -489,7 +490,8 @@ class PackedLogProbs:
         return zeros, zeros.clone() if compute_entropy else None, aux
 
 
-class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInvariantSteps, GRPOTrainer):
+class PackedGRPOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInvariantSteps, ResumesRenamedWeights,
+                        GRPOTrainer):
     """``trl.GRPOTrainer`` computing every per-token log-probability on packed rows.
 
     Takes every argument of ``GRPOTrainer`` (and its ``GRPOConfig``). The model (and the reference model, if

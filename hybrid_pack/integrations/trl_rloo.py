@@ -11,7 +11,11 @@ TRL 1.16's ``RLOOTrainer`` scores completions with the same ``_get_per_token_log
 from __future__ import annotations
 
 from hybrid_pack.errors import MissingExtraError
-from hybrid_pack.integrations.transformers.trainer import BatchInvariantSteps, SettlesBackendsAfterFirstStep
+from hybrid_pack.integrations.transformers.trainer import (
+    BatchInvariantSteps,
+    ResumesRenamedWeights,
+    SettlesBackendsAfterFirstStep,
+)
 from hybrid_pack.integrations.trl_grpo import PackedLogProbs
 
 try:
@@ -23,7 +27,8 @@ except ImportError as err:
 __all__ = ["PackedRLOOTrainer"]
 
 
-class PackedRLOOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInvariantSteps, RLOOTrainer):
+class PackedRLOOTrainer(PackedLogProbs, SettlesBackendsAfterFirstStep, BatchInvariantSteps, ResumesRenamedWeights,
+                        RLOOTrainer):
     """``trl.RLOOTrainer`` computing every per-token log-probability on packed rows.
 
     Takes every argument of ``RLOOTrainer`` (and its ``RLOOConfig``), plus ``packing_capacity``, ``batch_invariant``

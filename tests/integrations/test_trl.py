@@ -336,3 +336,34 @@ def test_what_trl_cuts_from_the_dataset_is_counted_and_shown(data: str, settings
         assert not said
     else:
         assert len(said) == 1 and re.search(message, said[0]), said
+
+
+def test_a_resumed_moe_model_trains_on_from_its_saved_experts(tmp_path: Path) -> None:
+    """TRL's trainers resume through transformers' ``Trainer``, which skipped a MoE model's experts (held fused,
+    written one by one): the resumed run went on from the experts it started with. Every packed trainer loads such
+    a checkpoint through the model's ``from_pretrained`` (``ResumesRenamedWeights``)."""
+    import copy
+
+    from hybrid_pack.integrations.transformers.trainer import ResumesRenamedWeights
+    from hybrid_pack.integrations.trl import PackedDPOTrainer, PackedGRPOTrainer, PackedRLOOTrainer
+
+    assert all(issubclass(trainer, ResumesRenamedWeights)
+               for trainer in (PackedSFTTrainer, PackedDPOTrainer, PackedGRPOTrainer, PackedRLOOTrainer))
+    start = tiny_model("qwen3_next")
+
+    def run(out: Path, resume: str | None = None) -> Any:
+        model = copy.deepcopy(start)
+        trainer = PackedSFTTrainer(model=model, args=_config(out, max_steps=2, save_strategy="steps", save_steps=1,
+                                                             learning_rate=1e-2),
+                                   train_dataset=_texts(), processing_class=tiny_tokenizer())
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    whole = run(tmp_path / "whole")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-1"))
+    trained = False
+    for (name, want), got, first in zip(whole.state_dict().items(), resumed.state_dict().values(),
+                                        start.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+        trained |= "experts" in name and not torch.equal(want, first)
+    assert trained

@@ -305,7 +305,24 @@ class BatchInvariantSteps:
             return super().prediction_step(*args, **kwargs)  # type: ignore[misc]
 
 
-class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
+class ResumesRenamedWeights:
+    """Resuming a Hugging Face model whose checkpoint names its weights otherwise than its state dict: transformers
+    5 holds a MoE model's experts fused and writes them one by one, and the ``Trainer``'s
+    ``load_state_dict(strict=False)`` skipped them (a warning), so the resumed run trained on from the experts it
+    started with. Such a checkpoint loads through the model's ``from_pretrained`` (a copy on the host), every weight
+    then copied in, strictly; any other as the ``Trainer`` loads it. Mixed in before the trainer class."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)  # type: ignore[attr-defined]
+        if isinstance(target, PreTrainedModel) and not self.is_fsdp_enabled and \
+                _renamed_on_disk(target, resume_from_checkpoint):  # type: ignore[attr-defined]
+            saved = type(target).from_pretrained(resume_from_checkpoint, dtype="auto", device_map="cpu")
+            target.load_state_dict(saved.state_dict())  # strict: every weight, or an error naming the others
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+
+
+class PackedTrainer(PackedBatches, BatchInvariantSteps, ResumesRenamedWeights, Trainer):
     """A ``Trainer`` whose training batches are packed rows of up to ``capacity`` tokens.
 
     Args:
@@ -372,22 +389,15 @@ class PackedTrainer(PackedBatches, BatchInvariantSteps, Trainer):
         torch.save(self.args, f"{output_dir}/training_args.bin")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        """A native model's checkpoint as :meth:`_save` wrote it (its tied head stored once); a Hugging Face model
-        whose checkpoint names its weights otherwise than its state dict does through its ``from_pretrained``, on
-        the host, then copied in (transformers 5 holds MoE experts fused and writes them one by one: the
-        ``Trainer``'s ``load_state_dict(strict=False)`` skipped them, and a resumed run trained from the experts it
-        started with); anything else as the ``Trainer`` loads it."""
+        """A native model's checkpoint as :meth:`_save` wrote it (its tied head stored once); anything else as
+        :class:`ResumesRenamedWeights` loads it."""
         from hybrid_pack.modeling import HybridForCausalLM
         from hybrid_pack.modeling.model import WEIGHTS_NAME
 
         target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if isinstance(target, HybridForCausalLM) and not self.is_fsdp_enabled:
-            from safetensors.torch import load_model
-
-            load_model(target, f"{resume_from_checkpoint}/{WEIGHTS_NAME}")
-        elif isinstance(target, PreTrainedModel) and not self.is_fsdp_enabled and \
-                _renamed_on_disk(target, resume_from_checkpoint):
-            saved = type(target).from_pretrained(resume_from_checkpoint, dtype="auto", device_map="cpu")
-            target.load_state_dict(saved.state_dict())  # strict: every weight, or an error naming the others
-        else:
+        if not isinstance(target, HybridForCausalLM) or self.is_fsdp_enabled:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        from safetensors.torch import load_model
+
+        load_model(target, f"{resume_from_checkpoint}/{WEIGHTS_NAME}")
