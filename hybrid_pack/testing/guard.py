@@ -640,9 +640,12 @@ def _rows(output: torch.Tensor, tokens: int, compared: str | None) -> torch.Tens
 
 
 def _randomised(model: nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` is random: dropout modules, or config rates such as
+    """Whether a training-mode forward of ``model`` is random: dropout modules, NEFTune's noise on the embeddings
+    (transformers' and hybrid_pack's mark the module with ``neftune_noise_alpha``), or config rates such as
     ``attention_dropout`` or ``router_jitter_noise`` that models apply in training mode only."""
     if any(isinstance(m, _DROPOUT_MODULES) and m.p > 0 and m.training for m in model.modules()):
+        return True
+    if model.training and any(getattr(m, "neftune_noise_alpha", None) for m in model.modules()):
         return True
     config = getattr(model, "config", None)
     rates = vars(config) if hasattr(config, "__dict__") else {}

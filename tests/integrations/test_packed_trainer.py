@@ -261,3 +261,31 @@ def test_a_resumed_moe_model_trains_on_from_its_saved_experts(tmp_path) -> None:
         assert torch.equal(got, want), name
         changed |= "experts" in name and not torch.equal(want, first)
     assert changed  # the experts trained
+
+
+@pytest.mark.parametrize("trainer_kind", ["packed", "plain"])
+def test_the_guard_compares_noise_free_runs_under_neftune(tmp_path, trainer_kind: str) -> None:
+    """NEFTune noises the embeddings of the training call; the guard compared that noisy call with documents run
+    alone in eval mode (no noise) and raised a leak (0.885 off). It now runs the packed batch again in eval mode,
+    as it does for dropout."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from hybrid_pack.integrations.transformers.guard import PackingGuardCallback
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, neftune_noise_alpha=5.0)
+    guard = PackingGuardCallback(every=1)
+    if trainer_kind == "packed":
+        trainer = PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=64,
+                                callbacks=[guard])
+    else:  # transformers' own NEFTune hook
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=PackingCollator(),
+                          callbacks=[guard])
+    trainer.train()
+    assert len(guard.guard.records) == 2 and all(record.ok for record in guard.guard.records)

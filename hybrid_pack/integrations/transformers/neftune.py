@@ -40,6 +40,7 @@ class PackedNEFTune:
         if embeddings is not self._embeddings:
             self.detach()
             self._embeddings, self._handle = embeddings, embeddings.register_forward_hook(self._hook)
+            embeddings.neftune_noise_alpha = self.alpha  # transformers' mark of a noised embedding (the guard reads it)
         if boundaries is None:
             self._lengths = None
             return
@@ -49,6 +50,7 @@ class PackedNEFTune:
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
+            del self._embeddings.neftune_noise_alpha
         self._embeddings = self._handle = None
 
     def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
