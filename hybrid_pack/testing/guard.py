@@ -202,11 +202,12 @@ class PackingGuard:
             return self
         self.calls = self.unpacked_calls = 0
         self._first_unpacked, self._silence_reported = None, False
-        self._handles = [self.model.register_forward_pre_hook(self._before_call, with_kwargs=True),
-                         self.model.register_forward_hook(self._after_call, with_kwargs=True)]
+        eager = torch.compiler.disable  # a model compiled in place (the Trainer's torch_compile): between its graphs
+        self._handles = [self.model.register_forward_pre_hook(eager(self._before_call), with_kwargs=True),
+                         self.model.register_forward_hook(eager(self._after_call), with_kwargs=True)]
         backbone = _backbone(self.model)
         if backbone is not None:
-            self._handles.append(backbone.register_forward_hook(self._keep_hidden))
+            self._handles.append(backbone.register_forward_hook(eager(self._keep_hidden)))
         return self
 
     def detach(self) -> PackingGuard:

@@ -289,3 +289,24 @@ def test_the_guard_compares_noise_free_runs_under_neftune(tmp_path, trainer_kind
                           callbacks=[guard])
     trainer.train()
     assert len(guard.guard.records) == 2 and all(record.ok for record in guard.guard.records)
+
+
+def test_the_guard_checks_a_model_the_trainer_compiles(tmp_path) -> None:
+    """``torch_compile=True`` compiles the model in place, hooks included: dynamo traced the guard's hooks and
+    failed creating its guards (``AssertionError: Unexpected type``). The hooks now run between the graphs."""
+    import torch
+    from transformers import TrainingArguments
+
+    from hybrid_pack.integrations.transformers.guard import PackingGuardCallback
+    from hybrid_pack.integrations.transformers.trainer import PackedTrainer
+
+    torch.manual_seed(0)
+    model = from_preset("qwen3-next-tiny", vocab_size=128)
+    rows = [{INPUT_IDS: torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (10, 20, 5, 7)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, torch_compile=True)
+    guard = PackingGuardCallback(every=1)
+    PackedTrainer(model=model, args=args, train_dataset=rows, lengths=[10, 20, 5, 7], capacity=32,
+                  callbacks=[guard]).train()
+    assert len(guard.guard.records) == 1 and guard.guard.records[0].ok
