@@ -44,6 +44,7 @@ from hybrid_pack.schema import BOUNDARIES, CU_SEQ_LENS_Q, IMAGE_GRID_THW, POSITI
 try:
     import accelerate  # noqa: F401  (the Trainer needs it; transformers would only say so once training starts)
     from transformers import PreTrainedModel, Trainer, TrainerCallback
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 except ImportError as err:
     raise MissingExtraError("PackedTrainer", "hf", err) from err
 
@@ -91,10 +92,10 @@ def _saved_names(folder: str) -> set[str] | None:
     """The weight names of the safetensors checkpoint in ``folder`` (one file or an index), None without one."""
     from safetensors import safe_open
 
-    index = Path(folder) / "model.safetensors.index.json"
+    index = Path(folder) / SAFE_WEIGHTS_INDEX_NAME
     if index.is_file():
         return set(json.loads(index.read_text())["weight_map"])
-    single = Path(folder) / "model.safetensors"
+    single = Path(folder) / SAFE_WEIGHTS_NAME
     if not single.is_file():
         return None
     with safe_open(str(single), framework="pt") as weights:
